@@ -1,0 +1,136 @@
+"""The forward/backward partition of a training graph, as recorded by the gradient build.
+
+``ortpass.training.build_training_graph`` tags every node with its side in node metadata
+(``pkg.ortpass.side`` = ``forward`` | ``backward``) and records the training facts (loss
+name, parameters, gradient names) as JSON in model metadata (``pkg.ortpass.training``).
+Analyses read that record instead of re-deriving the split.  Passes that add nodes to a
+training graph must tag them (:func:`tag`); a training graph with an untagged node is
+rejected here with an error that names the node.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Iterable, Literal
+
+import onnx_ir as ir
+
+from ortpass.errors import TrainingGraphError
+
+__all__ = [
+    "SIDE_KEY",
+    "TRAINING_KEY",
+    "Partition",
+    "TrainingInfo",
+    "get_partition",
+    "get_training_info",
+    "is_training_graph",
+    "set_training_info",
+    "tag",
+]
+
+SIDE_KEY = "pkg.ortpass.side"
+TRAINING_KEY = "pkg.ortpass.training"
+
+Side = Literal["forward", "backward"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingInfo:
+    """What the gradient build recorded about a training graph."""
+
+    loss: str
+    params: tuple[str, ...]
+    gradients: dict[str, str]  # parameter name -> gradient output name
+
+    def to_json(self) -> str:
+        return json.dumps({"loss": self.loss, "params": list(self.params), "gradients": self.gradients})
+
+
+@dataclasses.dataclass
+class Partition:
+    """Forward and backward nodes of a training graph, in graph order.
+
+    ``stashed`` holds the forward-produced values that backward reads, in the order their
+    producers appear: the activations a training step keeps alive between the passes.
+    """
+
+    forward: list[ir.Node]
+    backward: list[ir.Node]
+    stashed: list[ir.Value]
+
+    def side_of(self, node: ir.Node) -> Side:
+        return node.metadata_props[SIDE_KEY]  # type: ignore[return-value]
+
+    def is_backward(self, node: ir.Node) -> bool:
+        return node.metadata_props.get(SIDE_KEY) == "backward"
+
+    def backward_consumers(self, value: ir.Value) -> list[ir.Node]:
+        return [n for n in _consumer_nodes(value) if self.is_backward(n)]
+
+
+def tag(node: ir.Node, side: Side) -> ir.Node:
+    """Record which side of the training graph ``node`` belongs to."""
+    if side not in ("forward", "backward"):
+        raise ValueError(f"side must be 'forward' or 'backward', not {side!r}")
+    node.metadata_props[SIDE_KEY] = side
+    return node
+
+
+def is_training_graph(model: ir.Model) -> bool:
+    return TRAINING_KEY in model.metadata_props
+
+
+def set_training_info(model: ir.Model, info: TrainingInfo) -> None:
+    model.metadata_props[TRAINING_KEY] = info.to_json()
+
+
+def get_training_info(model: ir.Model) -> TrainingInfo:
+    raw = model.metadata_props.get(TRAINING_KEY)
+    if raw is None:
+        raise TrainingGraphError(
+            "the model is not a training graph from ortpass.training.build_training_graph "
+            f"(model metadata has no {TRAINING_KEY!r})"
+        )
+    try:
+        data = json.loads(raw)
+        return TrainingInfo(data["loss"], tuple(data["params"]), dict(data["gradients"]))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise TrainingGraphError(f"model metadata {TRAINING_KEY!r} is malformed: {exc}") from exc
+
+
+def get_partition(model: ir.Model) -> Partition:
+    """Read the forward/backward partition of a training graph."""
+    get_training_info(model)  # raises a clear error for a non-training graph
+    forward: list[ir.Node] = []
+    backward: list[ir.Node] = []
+    for node in model.graph:
+        side = node.metadata_props.get(SIDE_KEY)
+        if side == "forward":
+            forward.append(node)
+        elif side == "backward":
+            backward.append(node)
+        else:
+            raise TrainingGraphError(
+                f"node {node.name!r} ({node.op_type}) has no {SIDE_KEY!r} tag; passes that add "
+                "nodes to a training graph must tag them with ortpass.analysis.partition.tag"
+            )
+    return Partition(forward, backward, _stashed_values(forward))
+
+
+def _consumer_nodes(value: ir.Value) -> Iterable[ir.Node]:
+    seen: set[int] = set()
+    for node, _ in value.uses():
+        if id(node) not in seen:
+            seen.add(id(node))
+            yield node
+
+
+def _stashed_values(forward: list[ir.Node]) -> list[ir.Value]:
+    stashed = []
+    for node in forward:
+        for out in node.outputs:
+            if any(c.metadata_props.get(SIDE_KEY) == "backward" for c in _consumer_nodes(out)):
+                stashed.append(out)
+    return stashed

@@ -1,0 +1,63 @@
+"""Exception types.  Every error ortpass raises for bad input derives from OrtpassError
+and names the thing that is wrong (a pass, a node, a file, a plan string)."""
+
+from __future__ import annotations
+
+__all__ = [
+    "OrtpassError",
+    "ModelLoadError",
+    "PassOrderingError",
+    "PipelineSpecError",
+    "PassFailedError",
+    "ExportError",
+    "TrainingGraphError",
+    "PlanError",
+    "UnregisteredFunctionError",
+]
+
+
+class OrtpassError(Exception):
+    """Base class of ortpass's errors."""
+
+
+class ModelLoadError(OrtpassError):
+    """A model file could not be read or is not a valid ONNX model."""
+
+
+class PassOrderingError(OrtpassError):
+    """A set of passes cannot be ordered (a cycle, or a requirement nobody provides)."""
+
+
+class PipelineSpecError(OrtpassError):
+    """A pipeline string names an unknown pass or gives a bad option."""
+
+
+class PassFailedError(OrtpassError):
+    """A pass raised or left a model that fails its checks; the model was rolled back.
+
+    ``model`` is the model as it was before the failing pass, ``report`` the manager's
+    report up to and including the failure.
+    """
+
+    def __init__(self, pass_name: str, reason: str, *, model=None, report=None):
+        super().__init__(f"pass {pass_name!r} failed: {reason}")
+        self.pass_name = pass_name
+        self.reason = reason
+        self.model = model
+        self.report = report
+
+
+class ExportError(OrtpassError):
+    """A torch module could not be exported."""
+
+
+class TrainingGraphError(OrtpassError):
+    """The gradient graph could not be built, or a model is not a training graph."""
+
+
+class PlanError(OrtpassError):
+    """A recompute plan string, list or JSON file is malformed."""
+
+
+class UnregisteredFunctionError(OrtpassError):
+    """A PythonOp names a torch.autograd.Function that nobody registered."""

@@ -1,0 +1,87 @@
+"""The base class every ortpass pass derives from.
+
+An ortpass pass is an ordinary ``onnx_ir.passes.InPlacePass``: it can run alone
+(``SomePass()(model)``) or inside any onnx_ir ``PassManager``.  What it adds are
+class-level *declarations* that :class:`ortpass.PassManager` reads to order a set of
+passes without relying on list position:
+
+``phase``
+    ``"pre-grad"`` (runs on the forward+loss graph), ``"post-grad"`` (runs on the
+    forward+backward graph) or ``"any"``.
+``requires`` / ``provides``
+    Names of model properties, e.g. ``"shapes"``, ``"training-graph"``,
+    ``"dropout-seeds-fixed"``.  A pass runs after every pass that provides what it
+    requires.
+``runs_before`` / ``runs_after``
+    Names of other passes this one must precede or follow when both are in a set.
+
+During ``call`` a pass records what it did with :meth:`OrtPass.count` and
+:meth:`OrtPass.note`; the manager copies those statistics into its report.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any, ClassVar, Literal
+
+import onnx_ir as ir
+
+__all__ = ["OrtPass", "Phase", "PHASES", "CREATED_BY_KEY"]
+
+Phase = Literal["pre-grad", "post-grad", "any"]
+PHASES: tuple[str, ...] = ("pre-grad", "post-grad", "any")
+
+# Node metadata key under which the pass that created a node is recorded.
+CREATED_BY_KEY = "pkg.ortpass.created_by"
+
+
+class OrtPass(ir.passes.InPlacePass):
+    """An in-place onnx_ir pass with ordering declarations and statistics."""
+
+    #: Name used in pipeline strings and reports; set by subclasses.
+    name: ClassVar[str] = ""
+    phase: ClassVar[Phase] = "any"
+    requires: ClassVar[frozenset[str]] = frozenset()
+    provides: ClassVar[frozenset[str]] = frozenset()
+    runs_before: ClassVar[frozenset[str]] = frozenset()
+    runs_after: ClassVar[frozenset[str]] = frozenset()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.phase not in PHASES:
+            raise TypeError(f"{cls.__name__}.phase must be one of {PHASES}, not {cls.phase!r}")
+        # Accept any iterable in subclass declarations; store frozensets.
+        for attr in ("requires", "provides", "runs_before", "runs_after"):
+            value = getattr(cls, attr)
+            if isinstance(value, str):
+                raise TypeError(f"{cls.__name__}.{attr} must be a collection of names, not a str")
+            setattr(cls, attr, frozenset(value))
+
+    @property
+    def pass_name(self) -> str:
+        return self.name or type(self).__name__
+
+    # -- statistics -------------------------------------------------------------------
+    @property
+    def stats(self) -> dict[str, Any]:
+        """Statistics of the latest run (counters and notes)."""
+        return self.__dict__.setdefault("_stats", {})
+
+    def reset_stats(self) -> None:
+        self.__dict__["_stats"] = {}
+
+    def count(self, key: str, n: int = 1) -> None:
+        """Add ``n`` to the counter ``key`` (e.g. ``count("gathers inserted", 2)``)."""
+        counters = self.stats.setdefault("counts", collections.Counter())
+        counters[key] += n
+
+    def note(self, key: str, value: Any) -> None:
+        """Record a structured statistic, e.g. which losses were skipped and why."""
+        self.stats.setdefault("notes", {}).setdefault(key, []).append(value)
+
+    def __call__(self, model: ir.Model) -> ir.passes.PassResult:
+        self.reset_stats()
+        return super().__call__(model)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
