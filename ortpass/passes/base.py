@@ -15,6 +15,9 @@ passes without relying on list position:
 ``runs_before`` / ``runs_after``
     Names of other passes this one must precede or follow when both are in a set.
 
+Most passes rewrite in place (:class:`OrtPass`); a pass that builds a new model, like the
+gradient build, derives from :class:`OrtFunctionalPass`.
+
 During ``call`` a pass records what it did with :meth:`OrtPass.count` and
 :meth:`OrtPass.note`; the manager copies those statistics into its report.
 """
@@ -26,7 +29,7 @@ from typing import Any, ClassVar, Literal
 
 import onnx_ir as ir
 
-__all__ = ["OrtPass", "Phase", "PHASES", "CREATED_BY_KEY"]
+__all__ = ["OrtPass", "OrtFunctionalPass", "PassDeclarations", "Phase", "PHASES", "CREATED_BY_KEY"]
 
 Phase = Literal["pre-grad", "post-grad", "any"]
 PHASES: tuple[str, ...] = ("pre-grad", "post-grad", "any")
@@ -35,8 +38,8 @@ PHASES: tuple[str, ...] = ("pre-grad", "post-grad", "any")
 CREATED_BY_KEY = "pkg.ortpass.created_by"
 
 
-class OrtPass(ir.passes.InPlacePass):
-    """An in-place onnx_ir pass with ordering declarations and statistics."""
+class PassDeclarations:
+    """Ordering declarations and statistics shared by in-place and functional passes."""
 
     #: Name used in pipeline strings and reports; set by subclasses.
     name: ClassVar[str] = ""
@@ -85,3 +88,11 @@ class OrtPass(ir.passes.InPlacePass):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+class OrtPass(PassDeclarations, ir.passes.InPlacePass):
+    """An in-place onnx_ir pass (returns the model it was given) with declarations."""
+
+
+class OrtFunctionalPass(PassDeclarations, ir.passes.FunctionalPass):
+    """A functional onnx_ir pass (returns a new model) with declarations."""
