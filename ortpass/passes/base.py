@@ -38,13 +38,27 @@ PHASES: tuple[str, ...] = ("pre-grad", "post-grad", "any")
 CREATED_BY_KEY = "pkg.ortpass.created_by"
 
 
+class RequiredProperties(frozenset):
+    """The ``requires`` declaration: a frozenset of property names that is also callable.
+
+    onnx_ir's ``PassBase.__call__`` calls ``self.requires(model)``, its precondition hook.
+    The class-level ``requires`` declaration shadows that method, so the declaration
+    itself must accept that call; it checks nothing (the manager checks the declared
+    properties when it orders passes).  A pass with a precondition on the model checks it
+    at the start of ``call`` and raises ``onnx_ir.passes.PreconditionError``.
+    """
+
+    def __call__(self, model: ir.Model) -> None:
+        del model
+
+
 class PassDeclarations:
     """Ordering declarations and statistics shared by in-place and functional passes."""
 
     #: Name used in pipeline strings and reports; set by subclasses.
     name: ClassVar[str] = ""
     phase: ClassVar[Phase] = "any"
-    requires: ClassVar[frozenset[str]] = frozenset()
+    requires: ClassVar[frozenset[str]] = RequiredProperties()
     provides: ClassVar[frozenset[str]] = frozenset()
     runs_before: ClassVar[frozenset[str]] = frozenset()
     runs_after: ClassVar[frozenset[str]] = frozenset()
@@ -58,7 +72,7 @@ class PassDeclarations:
             value = getattr(cls, attr)
             if isinstance(value, str):
                 raise TypeError(f"{cls.__name__}.{attr} must be a collection of names, not a str")
-            setattr(cls, attr, frozenset(value))
+            setattr(cls, attr, RequiredProperties(value) if attr == "requires" else frozenset(value))
 
     @property
     def pass_name(self) -> str:
