@@ -8,10 +8,11 @@ passes without relying on list position:
 ``phase``
     ``"pre-grad"`` (runs on the forward+loss graph), ``"post-grad"`` (runs on the
     forward+backward graph) or ``"any"``.
-``requires`` / ``provides``
+``requires_properties`` / ``provides_properties``
     Names of model properties, e.g. ``"shapes"``, ``"training-graph"``,
     ``"dropout-seeds-fixed"``.  A pass runs after every pass that provides what it
-    requires.
+    requires.  (Not ``requires``: that name is onnx_ir's precondition hook,
+    ``requires(model)``, which passes may still override to check a model.)
 ``runs_before`` / ``runs_after``
     Names of other passes this one must precede or follow when both are in a set.
 
@@ -37,19 +38,7 @@ PHASES: tuple[str, ...] = ("pre-grad", "post-grad", "any")
 # Node metadata key under which the pass that created a node is recorded.
 CREATED_BY_KEY = "pkg.ortpass.created_by"
 
-
-class RequiredProperties(frozenset):
-    """The ``requires`` declaration: a frozenset of property names that is also callable.
-
-    onnx_ir's ``PassBase.__call__`` calls ``self.requires(model)``, its precondition hook.
-    The class-level ``requires`` declaration shadows that method, so the declaration
-    itself must accept that call; it checks nothing (the manager checks the declared
-    properties when it orders passes).  A pass with a precondition on the model checks it
-    at the start of ``call`` and raises ``onnx_ir.passes.PreconditionError``.
-    """
-
-    def __call__(self, model: ir.Model) -> None:
-        del model
+DECLARATIONS = ("requires_properties", "provides_properties", "runs_before", "runs_after")
 
 
 class PassDeclarations:
@@ -58,8 +47,8 @@ class PassDeclarations:
     #: Name used in pipeline strings and reports; set by subclasses.
     name: ClassVar[str] = ""
     phase: ClassVar[Phase] = "any"
-    requires: ClassVar[frozenset[str]] = RequiredProperties()
-    provides: ClassVar[frozenset[str]] = frozenset()
+    requires_properties: ClassVar[frozenset[str]] = frozenset()
+    provides_properties: ClassVar[frozenset[str]] = frozenset()
     runs_before: ClassVar[frozenset[str]] = frozenset()
     runs_after: ClassVar[frozenset[str]] = frozenset()
 
@@ -67,12 +56,18 @@ class PassDeclarations:
         super().__init_subclass__(**kwargs)
         if cls.phase not in PHASES:
             raise TypeError(f"{cls.__name__}.phase must be one of {PHASES}, not {cls.phase!r}")
+        for hook in ("requires", "provides"):
+            if hook in cls.__dict__ and not callable(cls.__dict__[hook]):
+                raise TypeError(
+                    f"{cls.__name__}.{hook} is a collection; declare properties as {hook}_properties "
+                    f"({hook!r} is onnx_ir's precondition hook or would shadow one)"
+                )
         # Accept any iterable in subclass declarations; store frozensets.
-        for attr in ("requires", "provides", "runs_before", "runs_after"):
+        for attr in DECLARATIONS:
             value = getattr(cls, attr)
             if isinstance(value, str):
                 raise TypeError(f"{cls.__name__}.{attr} must be a collection of names, not a str")
-            setattr(cls, attr, RequiredProperties(value) if attr == "requires" else frozenset(value))
+            setattr(cls, attr, frozenset(value))
 
     @property
     def pass_name(self) -> str:
