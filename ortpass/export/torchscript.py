@@ -1,0 +1,166 @@
+"""Export a torch module's forward + loss to an onnx_ir model that ORT 1.19.2 accepts.
+
+Uses torch.onnx's TorchScript exporter (``dynamo=False``) in training mode: it is the
+exporter that keeps Dropout with its mask, calls custom symbolics for
+``torch.autograd.Function`` (which become ``com.microsoft::PythonOp``) and names parameter
+initializers by their ``state_dict`` names.  See the README for the ``dynamo=True`` path
+that ``torch.library.custom_op`` functions take.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import warnings
+from typing import Any, Mapping, Sequence
+
+import onnx
+import onnx_ir as ir
+import torch
+
+from ortpass.errors import ExportError
+from ortpass.metadata import EXPORT_KEY
+from ortpass.training.build import MAX_ORT_OPSET
+
+__all__ = ["export"]
+
+logger = logging.getLogger(__name__)
+
+
+def export(
+    module: torch.nn.Module,
+    args: Sequence[Any] | Any,
+    *,
+    input_names: Sequence[str] | None = None,
+    loss_name: str = "loss",
+    opset: int = 17,
+    dynamic_axes: Mapping[str, Mapping[int, str]] | None = None,
+    density_threshold: float | None = 90.0,
+) -> ir.Model:
+    """Export ``module(*args)`` (whose first output is the scalar loss) for training.
+
+    Args:
+        module: the model including its loss; ``forward`` returns the loss first.
+        args: the sample batch (a tensor or a sequence of positional arguments).
+        input_names: graph input names for ``args`` (default ``input_0``, ...).
+        loss_name: name of the loss output.
+        opset: ai.onnx opset (at most 21, what ORT 1.19.2 loads).
+        dynamic_axes: ``{input_name: {axis: dim_name}}``; the export batch's sizes of
+            these dims are recorded so analyses can evaluate symbolic sizes.
+        density_threshold: label density (percent) under which cross-entropy labels get
+            the padding flag for ``InsertGatherBeforeSceLossPass``; ``None`` disables
+            the probe.
+
+    Returns:
+        An onnx_ir model: parameters are initializers named by ``state_dict`` names, the
+        loss is the output ``loss_name``, and model metadata ``pkg.ortpass.export``
+        records the loss, the trainable parameters and the export dims.
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise ExportError(f"export needs a torch.nn.Module, got {type(module).__name__}")
+    if not 7 <= opset <= MAX_ORT_OPSET:
+        raise ExportError(
+            f"opset {opset} is not supported: ORT 1.19.2 loads ai.onnx opsets up to {MAX_ORT_OPSET} "
+            "and the training ops need 7 or newer"
+        )
+    args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
+    if input_names is None:
+        input_names = [f"input_{i}" for i in range(len(args))]
+    if len(input_names) != len(args):
+        raise ExportError(f"{len(input_names)} input_names for {len(args)} arguments")
+
+    proto = _run_torchscript_export(module, args, list(input_names), loss_name, opset, dynamic_axes, density_threshold)
+    _check_loss_output(proto, loss_name)
+    model = ir.from_proto(proto)
+    _name_unnamed_nodes(model)
+    initializer_names = set(model.graph.initializers)
+    params = [name for name, p in module.named_parameters() if p.requires_grad and name in initializer_names]
+    info = {
+        "loss": loss_name,
+        "params": params,
+        "dims": _export_dims(args, input_names, dynamic_axes),
+        "opset": opset,
+    }
+    model.metadata_props[EXPORT_KEY] = json.dumps(info)
+    logger.info("exported %s: %d nodes, %d trainable parameters", type(module).__name__, len(model.graph), len(params))
+    return model
+
+
+def _export_contexts(module: torch.nn.Module, density_threshold: float | None) -> contextlib.ExitStack:
+    # Imported here: both hook into torch while the exporter runs and must be undone after.
+    from ortpass.export.density import density_probe
+    from ortpass.export.pythonop import pythonop_export_context
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(pythonop_export_context())
+    if density_threshold is not None:
+        stack.enter_context(density_probe(module, threshold=density_threshold))
+    return stack
+
+
+def _run_torchscript_export(module, args, input_names, loss_name, opset, dynamic_axes, density_threshold):
+    was_training = module.training
+    module.train()
+    buffer = io.BytesIO()
+    try:
+        with _export_contexts(module, density_threshold), warnings.catch_warnings():
+            # The TorchScript exporter is deprecated in favour of dynamo; it is the path that
+            # supports PythonOp and training-mode Dropout, so silence the notice.
+            warnings.simplefilter("ignore", category=DeprecationWarning)
+            warnings.simplefilter("ignore", category=FutureWarning)
+            torch.onnx.export(
+                module,
+                args,
+                buffer,
+                dynamo=False,
+                training=torch.onnx.TrainingMode.TRAINING,
+                do_constant_folding=False,
+                export_params=True,
+                opset_version=opset,
+                input_names=input_names,
+                output_names=[loss_name],
+                dynamic_axes={k: dict(v) for k, v in (dynamic_axes or {}).items()} or None,
+            )
+    except ExportError:
+        raise
+    except Exception as exc:
+        raise ExportError(f"torch.onnx.export of {type(module).__name__} failed: {type(exc).__name__}: {exc}") from exc
+    finally:
+        module.train(was_training)
+    return onnx.load_from_string(buffer.getvalue())
+
+
+def _check_loss_output(proto: onnx.ModelProto, loss_name: str) -> None:
+    outputs = {o.name: o for o in proto.graph.output}
+    if loss_name not in outputs:
+        raise ExportError(f"the exported graph has no output {loss_name!r}; outputs: {sorted(outputs)}")
+    tensor_type = outputs[loss_name].type.tensor_type
+    if tensor_type.elem_type not in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE):
+        raise ExportError(f"loss {loss_name!r} is not a floating-point tensor; forward must return the loss first")
+    if tensor_type.HasField("shape") and len(tensor_type.shape.dim) != 0:
+        raise ExportError(f"loss {loss_name!r} has rank {len(tensor_type.shape.dim)}; it must be a scalar")
+
+
+def _name_unnamed_nodes(model: ir.Model) -> None:
+    # The partition into forward/backward is recorded by node name, so names must be unique.
+    seen: set[str] = set()
+    for index, node in enumerate(model.graph):
+        if not node.name or node.name in seen:
+            node.name = f"{node.op_type}_ortpass_{index}"
+        seen.add(node.name)
+
+
+def _export_dims(args, input_names, dynamic_axes) -> dict[str, int]:
+    dims: dict[str, int] = {}
+    by_name = dict(zip(input_names, args))
+    for input_name, axes in (dynamic_axes or {}).items():
+        value = by_name.get(input_name)
+        if not isinstance(value, torch.Tensor):
+            raise ExportError(f"dynamic_axes names {input_name!r}, which is not a tensor input")
+        for axis, dim_name in axes.items():
+            size = int(value.shape[axis])
+            if dims.setdefault(dim_name, size) != size:
+                raise ExportError(f"dim {dim_name!r} is {dims[dim_name]} and {size} in the export batch")
+    return dims

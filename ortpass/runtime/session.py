@@ -1,0 +1,183 @@
+"""Run one training step of a training graph on ONNX Runtime.
+
+The training build's plain ``InferenceSession`` runs a forward+backward graph: feed the
+batch and the parameters, fetch the loss and ``<param>_grad``.  Two things are set on
+every session:
+
+- ORT's CommonSubexpressionElimination is disabled.  It merges a recompute clone
+  (``Gelu(h) -> a_recompute``) back into its original, silently, undoing RecomputePass
+  (measured on 1.19.2; shared/reference/stack-facts.md).  Training graphs from
+  ``build_training_graph`` have had ORT's own pre-training transformers already, so
+  little is lost.
+- The log level is "error": the training graph keeps parameters both as inputs and
+  initializers (overridable defaults), about which ORT warns once per parameter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+from ortpass.analysis.partition import SIDE_KEY, get_training_info
+from ortpass.errors import OrtpassError
+from ortpass.training.build import clamp_for_ort
+
+__all__ = ["StepResult", "TrainingSession", "dropout_mask_names", "DISABLED_ORT_OPTIMIZERS"]
+
+logger = logging.getLogger(__name__)
+
+#: ORT graph transformers that would undo ortpass's rewrites (see the module docstring).
+DISABLED_ORT_OPTIMIZERS = ("CommonSubexpressionElimination",)
+
+
+@dataclasses.dataclass
+class StepResult:
+    """Loss, gradients by parameter name, and any extra values asked for."""
+
+    loss: float
+    gradients: dict[str, np.ndarray]
+    extras: dict[str, np.ndarray]
+
+
+class TrainingSession:
+    """One ORT session over a training graph.
+
+    Args:
+        model: a training graph from ``build_training_graph`` (after any post-grad passes).
+        providers: ``None`` or ``"cpu"`` for the CPU EP; ``"cuda"`` for the CUDA EP (with
+            CPU fallback), which needs the ``onnxruntime-training`` CUDA build; or an
+            explicit ORT provider list.
+        extra_outputs: names of intermediate values to fetch on every step (e.g. the
+            Dropout masks from :func:`dropout_mask_names`, for parity checks).
+        optimized_model_path: where ORT should write the graph it actually runs, to check
+            that rewrites survived its optimizers.
+    """
+
+    def __init__(
+        self,
+        model: ir.Model,
+        providers: str | Sequence[str] | None = None,
+        *,
+        extra_outputs: Sequence[str] = (),
+        optimized_model_path: str | os.PathLike | None = None,
+    ) -> None:
+        import onnxruntime as ort
+
+        self.info = get_training_info(model)
+        self.extra_outputs = tuple(extra_outputs)
+        proto = ir.to_proto(model)
+        clamp_for_ort(proto)
+        _expose_values(proto, self.extra_outputs)
+        if any(n.op_type in ("PythonOp", "PythonOpGrad") for n in proto.graph.node):
+            from ortpass.runtime import bridge
+
+            bridge.prepare(model)
+
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        if optimized_model_path is not None:
+            options.optimized_model_filepath = os.fspath(optimized_model_path)
+        self.providers = _resolve_providers(providers, ort.get_available_providers())
+        try:
+            self._session = ort.InferenceSession(
+                proto.SerializeToString(),
+                options,
+                providers=self.providers,
+                disabled_optimizers=list(DISABLED_ORT_OPTIMIZERS),
+            )
+        except Exception as exc:
+            raise OrtpassError(f"ONNX Runtime could not load the training graph: {exc}") from exc
+        self.input_names = [i.name for i in self._session.get_inputs()]
+        params = set(self.info.params)
+        self._default_params = {
+            init.name: onnx.numpy_helper.to_array(init) for init in proto.graph.initializer if init.name in params
+        }
+        self._fetch = [self.info.loss, *self.info.gradients.values(), *self.extra_outputs]
+
+    @property
+    def batch_input_names(self) -> list[str]:
+        """Graph inputs that are not parameters: what a batch must provide."""
+        params = set(self.info.params)
+        return [name for name in self.input_names if name not in params]
+
+    def run(self, batch: Mapping[str, Any], params: Mapping[str, Any] | None = None) -> StepResult:
+        """Run forward and backward on ``batch``; ``params`` overrides the model's weights."""
+        feeds = {name: _to_numpy(value, name) for name, value in self._default_params.items()}
+        for name, value in (params or {}).items():
+            if name not in self._default_params:
+                raise OrtpassError(f"{name!r} is not a parameter of this training graph")
+            feeds[name] = _to_numpy(value, name)
+        expected = set(self.batch_input_names)
+        unknown = sorted(set(batch) - expected)
+        if unknown:
+            raise OrtpassError(f"batch has inputs the graph does not take: {unknown}; it takes {sorted(expected)}")
+        missing = sorted(expected - set(batch))
+        if missing:
+            raise OrtpassError(f"batch is missing graph inputs {missing}")
+        feeds.update({name: _to_numpy(value, name) for name, value in batch.items()})
+        values = self._session.run(self._fetch, feeds)
+        n_grads = len(self.info.gradients)
+        return StepResult(
+            loss=float(values[0]),
+            gradients=dict(zip(self.info.gradients, values[1 : 1 + n_grads])),
+            extras=dict(zip(self.extra_outputs, values[1 + n_grads :])),
+        )
+
+
+def dropout_mask_names(model: ir.Model) -> list[str]:
+    """Mask outputs of the forward Dropout nodes, in graph (= call) order."""
+    return [
+        node.outputs[1].name
+        for node in model.graph
+        if node.op_type == "Dropout" and node.domain in ("", "ai.onnx") and len(node.outputs) > 1
+        and node.metadata_props.get(SIDE_KEY, "forward") == "forward"
+    ]
+
+
+def _expose_values(proto: onnx.ModelProto, names: Sequence[str]) -> None:
+    """Make intermediate values graph outputs so a session can fetch them."""
+    if not names:
+        return
+    outputs = {o.name for o in proto.graph.output}
+    produced = {out for node in proto.graph.node for out in node.output}
+    value_infos = {vi.name: vi for vi in proto.graph.value_info}
+    for name in names:
+        if name in outputs:
+            continue
+        if name not in produced:
+            raise OrtpassError(f"cannot fetch {name!r}: no node of the graph produces it")
+        proto.graph.output.append(value_infos.get(name) or onnx.helper.make_empty_tensor_value_info(name))
+
+
+def _resolve_providers(providers, available: Sequence[str]) -> list[str]:
+    if providers is None or providers == "cpu":
+        return ["CPUExecutionProvider"]
+    if providers == "cuda":
+        if "CUDAExecutionProvider" not in available:
+            raise OrtpassError(
+                "the CUDA execution provider is not available in this onnxruntime build "
+                f"(available: {list(available)}); install ortpass[cuda] on a machine with a GPU"
+            )
+        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    providers = list(providers)
+    missing = [p for p in providers if p not in available]
+    if missing:
+        raise OrtpassError(f"execution providers {missing} are not available (available: {list(available)})")
+    return providers
+
+
+def _to_numpy(value: Any, name: str) -> np.ndarray:
+    if isinstance(value, np.ndarray):
+        return value
+    if hasattr(value, "detach"):  # a torch tensor; avoid importing torch for numpy users
+        return value.detach().cpu().numpy()
+    try:
+        return np.asarray(value)
+    except Exception as exc:
+        raise OrtpassError(f"value for {name!r} is not an array: {type(value).__name__}") from exc

@@ -1,0 +1,1 @@
+"""Helpers for testing ortpass pipelines: reference models (torch is required)."""

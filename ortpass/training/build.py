@@ -1,0 +1,225 @@
+"""Build the forward+backward graph with ONNX Runtime's gradient builder.
+
+ORT's C++ gradient builder (``GradientGraphBuilder`` in the training build) knows the
+gradient of every op ORT can train, including the com.microsoft ones (PythonOp included);
+writing our own would duplicate thousands of lines of gradient definitions.  What ortpass
+adds around it:
+
+- the outputs the builder needs but torch 2.15 omits (LayerNormalization's Mean and
+  InvStdDev, SoftmaxCrossEntropyLoss's log_prob, Dropout's mask);
+- parameters made graph inputs, as the builder requires (their values stay initializers,
+  so the model is self-contained and ORT treats them as overridable defaults);
+- the IR version clamped to what ORT 1.19.2 loads;
+- an explicit forward/backward partition recorded in the result
+  (:mod:`ortpass.analysis.partition`), and shapes on the forward values analyses read.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterable, Sequence
+
+import onnx
+import onnx_ir as ir
+
+from ortpass.analysis.partition import TrainingInfo, set_training_info, tag
+from ortpass.errors import TrainingGraphError
+from ortpass.metadata import get_export_info
+
+__all__ = ["build_training_graph", "clamp_for_ort", "MAX_ORT_OPSET", "MAX_ORT_IR_VERSION"]
+
+logger = logging.getLogger(__name__)
+
+# What ORT 1.19.2 loads (measured; shared/reference/stack-facts.md).
+MAX_ORT_OPSET = 21
+MAX_ORT_IR_VERSION = 10
+
+_FLOAT_TYPES = {ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE}
+
+
+def build_training_graph(
+    model: ir.Model,
+    *,
+    params: Sequence[str] | None = None,
+    loss: str | None = None,
+) -> ir.Model:
+    """Return a new model computing the loss and ``<param>_grad`` for every parameter.
+
+    Args:
+        model: a forward+loss model (e.g. from ``ortpass.export.export``); not modified.
+        params: names of the initializers (or inputs) to differentiate; default: the
+            trainable parameters recorded at export, else every floating-point initializer
+            that is not a scalar.
+        loss: the scalar loss output; default: the one recorded at export, else ``loss``,
+            else the only graph output.
+
+    Raises:
+        TrainingGraphError: the loss or a parameter cannot be found, the opset is newer
+            than ORT 1.19.2 loads, or ORT's gradient builder refuses the graph.
+    """
+    export_info = get_export_info(model)
+    proto = ir.to_proto(model)
+    loss = _resolve_loss(proto, loss or export_info.get("loss"))
+    params = _resolve_params(proto, params if params is not None else export_info.get("params"))
+    clamp_for_ort(proto)
+    _add_outputs_the_gradient_builder_needs(proto)
+    forward_names = _ensure_unique_node_names(proto)
+    _make_params_inputs(proto, params)
+
+    if any(node.op_type == "PythonOp" for node in proto.graph.node):
+        from ortpass.runtime import bridge  # only models with PythonOps need torch here
+
+        bridge.prepare(ir.from_proto(proto))
+
+    training_proto = _run_gradient_builder(proto, loss, params)
+    clamp_for_ort(training_proto)
+    training_proto = _infer_shapes(training_proto)
+    gradients = _check_gradient_outputs(training_proto, params)
+
+    training = ir.from_proto(training_proto)
+    _tag_sides(training, forward_names)
+    training.metadata_props.update(model.metadata_props)
+    set_training_info(training, TrainingInfo(loss=loss, params=tuple(params), gradients=gradients))
+    logger.info(
+        "built training graph: %d forward + %d backward nodes, %d gradients",
+        len(forward_names),
+        len(training.graph) - len(forward_names),
+        len(gradients),
+    )
+    return training
+
+
+def clamp_for_ort(proto: onnx.ModelProto) -> None:
+    """Clamp the IR version to ORT 1.19.2's maximum; refuse ai.onnx opsets it cannot load."""
+    for opset in proto.opset_import:
+        if opset.domain in ("", "ai.onnx") and opset.version > MAX_ORT_OPSET:
+            raise TrainingGraphError(
+                f"ai.onnx opset {opset.version} is newer than ONNX Runtime 1.19.2 loads (at most "
+                f"{MAX_ORT_OPSET}); export with opset <= {MAX_ORT_OPSET}"
+            )
+    # onnx >= 1.17 writes IR versions ORT 1.19.2 rejects; nothing we emit needs more than 10.
+    proto.ir_version = min(proto.ir_version or MAX_ORT_IR_VERSION, MAX_ORT_IR_VERSION)
+
+
+def _resolve_loss(proto: onnx.ModelProto, loss: str | None) -> str:
+    outputs = [o.name for o in proto.graph.output]
+    if loss is None:
+        loss = "loss" if "loss" in outputs else (outputs[0] if len(outputs) == 1 else None)
+        if loss is None:
+            raise TrainingGraphError(f"cannot tell which output is the loss; pass loss=... (outputs: {outputs})")
+    if loss not in outputs:
+        raise TrainingGraphError(f"loss {loss!r} is not a graph output; outputs are {outputs}")
+    return loss
+
+
+def _resolve_params(proto: onnx.ModelProto, params: Iterable[str] | None) -> list[str]:
+    initializers = {init.name: init for init in proto.graph.initializer}
+    inputs = {i.name: i for i in proto.graph.input}
+    if params is None:
+        params = [
+            name
+            for name, init in initializers.items()
+            if len(init.dims) > 0 and init.data_type in _float_proto_types()
+        ]
+    params = list(params)
+    if not params:
+        raise TrainingGraphError("no parameters to differentiate")
+    for name in params:
+        if name in initializers:
+            data_type = initializers[name].data_type
+        elif name in inputs:
+            data_type = inputs[name].type.tensor_type.elem_type
+        else:
+            raise TrainingGraphError(f"parameter {name!r} is neither an initializer nor a graph input of the model")
+        if data_type not in _float_proto_types():
+            raise TrainingGraphError(f"parameter {name!r} is not floating point (type {onnx.TensorProto.DataType.Name(data_type)})")
+    if len(set(params)) != len(params):
+        raise TrainingGraphError(f"duplicate parameter names in {params}")
+    return params
+
+
+def _float_proto_types() -> set[int]:
+    return {int(t) for t in _FLOAT_TYPES}
+
+
+def _add_outputs_the_gradient_builder_needs(proto: onnx.ModelProto) -> None:
+    """Add optional outputs torch omits but ORT's gradient builder reads."""
+    needed = {
+        ("", "LayerNormalization"): 3,  # Y, Mean, InvStdDev
+        ("", "SoftmaxCrossEntropyLoss"): 2,  # loss, log_prob
+        ("com.microsoft", "SoftmaxCrossEntropyLossInternal"): 2,
+        ("", "Dropout"): 2,  # output, mask
+    }
+    for index, node in enumerate(proto.graph.node):
+        count = needed.get((node.domain if node.domain != "ai.onnx" else "", node.op_type))
+        if count is None:
+            continue
+        stem = node.output[0] or f"{node.op_type}_{index}"
+        while len(node.output) < count:
+            node.output.append(f"{stem}_ortpass_out{len(node.output)}")
+        for position in range(count):
+            if not node.output[position]:
+                node.output[position] = f"{stem}_ortpass_out{position}"
+
+
+def _ensure_unique_node_names(proto: onnx.ModelProto) -> set[str]:
+    seen: set[str] = set()
+    for index, node in enumerate(proto.graph.node):
+        if not node.name or node.name in seen:
+            node.name = f"{node.op_type}_ortpass_{index}"
+        seen.add(node.name)
+    return seen
+
+
+def _make_params_inputs(proto: onnx.ModelProto, params: Sequence[str]) -> None:
+    existing = {i.name for i in proto.graph.input}
+    initializers = {init.name: init for init in proto.graph.initializer}
+    for name in params:
+        if name not in existing:
+            init = initializers[name]
+            proto.graph.input.append(onnx.helper.make_tensor_value_info(name, init.data_type, list(init.dims)))
+
+
+def _run_gradient_builder(proto: onnx.ModelProto, loss: str, params: Sequence[str]) -> onnx.ModelProto:
+    from onnxruntime.capi import _pybind_state as C
+
+    options = C.SessionOptions()
+    options.log_severity_level = 3
+    try:
+        builder = C.GradientGraphBuilder(proto.SerializeToString(), {loss}, set(params), loss, options)
+        builder.build()
+        return onnx.load_from_string(builder.get_model())
+    except Exception as exc:  # ORT raises RuntimeError/Fail/InvalidGraph with its message
+        raise TrainingGraphError(f"ONNX Runtime's gradient builder failed: {type(exc).__name__}: {exc}") from exc
+
+
+def _infer_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
+    # onnx's inference skips ops of domains it does not know (com.microsoft *Grad), which is
+    # fine: analyses read the shapes of forward values, all of which it can infer.
+    try:
+        return onnx.shape_inference.infer_shapes(proto, strict_mode=False, data_prop=True)
+    except Exception as exc:
+        logger.warning("shape inference on the training graph failed (%s); continuing without it", exc)
+        return proto
+
+
+def _check_gradient_outputs(proto: onnx.ModelProto, params: Sequence[str]) -> dict[str, str]:
+    outputs = {o.name for o in proto.graph.output}
+    gradients = {name: f"{name}_grad" for name in params}
+    missing = [name for name, grad in gradients.items() if grad not in outputs]
+    if missing:
+        raise TrainingGraphError(
+            f"the gradient builder produced no gradient for {missing}: the loss does not depend on them"
+        )
+    return gradients
+
+
+def _tag_sides(training: ir.Model, forward_names: set[str]) -> None:
+    produced_by_backward: set[int] = set()
+    for node in training.graph:
+        side = "forward" if node.name in forward_names else "backward"
+        if side == "forward" and any(id(v) in produced_by_backward for v in node.inputs if v is not None):
+            raise TrainingGraphError(f"forward node {node.name!r} reads a backward value; the partition is unsound")
+        if side == "backward":
+            produced_by_backward.update(id(v) for v in node.outputs)
+        tag(node, side)

@@ -1,0 +1,210 @@
+"""Issue 3: torch module -> export -> gradient build -> ORT step, with parity against torch."""
+
+import json
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+import torch
+
+from ortpass.analysis.partition import SIDE_KEY, get_partition, get_training_info
+from ortpass.errors import ExportError, OrtpassError, TrainingGraphError
+from ortpass.export import export
+from ortpass.runtime import TrainingSession, dropout_mask_names
+from ortpass.runtime.parity import check_parity, relative_error
+from ortpass.testing.models import MLP, GPTDecoder, _BlockRegression
+from ortpass.training import build_training_graph
+
+
+def _mlp_case():
+    torch.manual_seed(0)
+    module = MLP(d_in=8, hidden=16, classes=5)
+    x = torch.randn(6, 8)
+    labels = torch.tensor([1, 2, -100, 4, 0, 3])
+    return module, (x, labels), ["x", "labels"]
+
+
+def test_export_names_parameters_and_loss():
+    module, args, names = _mlp_case()
+    model = export(module, args, input_names=names, dynamic_axes={"x": {0: "batch"}, "labels": {0: "batch"}})
+    assert [o.name for o in model.graph.outputs] == ["loss"]
+    assert set(model.graph.initializers) >= {name for name, _ in module.named_parameters()}
+    info = json.loads(model.metadata_props["pkg.ortpass.export"])
+    assert info["params"] == [name for name, _ in module.named_parameters()]
+    assert info["dims"] == {"batch": 6}
+    assert model.graph.inputs[0].shape[0] == ir.SymbolicDim("batch")
+
+
+def test_export_keeps_dropout_in_training_mode():
+    torch.manual_seed(0)
+    module = _BlockRegression(hidden=16, heads=2, dropout=0.5)
+    module.eval()  # export must still use training mode, and restore the module's mode
+    model = export(module, (torch.randn(1, 4, 16), torch.randn(1, 4, 16)))
+    assert sum(node.op_type == "Dropout" for node in model.graph) == 3
+    assert not module.training
+
+
+def test_training_graph_has_grads_partition_and_ort_limits():
+    module, args, names = _mlp_case()
+    training = build_training_graph(export(module, args, input_names=names))
+    info = get_training_info(training)
+    outputs = {o.name for o in training.graph.outputs}
+    assert outputs == {"loss"} | {f"{p}_grad" for p in info.params}
+    assert info.gradients == {p: f"{p}_grad" for p in info.params}
+    partition = get_partition(training)
+    assert partition.forward and partition.backward
+    assert all(n.metadata_props[SIDE_KEY] in ("forward", "backward") for n in training.graph)
+    # Forward nodes come first and never read a backward value.
+    backward_values = {id(v) for n in partition.backward for v in n.outputs}
+    assert not any(id(v) in backward_values for n in partition.forward for v in n.inputs if v is not None)
+    # Stashed: forward values read by backward, e.g. the first Gemm's output (GELU's input).
+    stashed_producers = {v.producer().op_type for v in partition.stashed}
+    assert "Gemm" in stashed_producers
+    assert training.ir_version <= 10
+    assert training.opset_imports[""] <= 21
+
+
+def test_gradient_builder_outputs_are_added_for_layernorm_and_loss():
+    torch.manual_seed(0)
+    module = GPTDecoder(vocab=16, hidden=16, heads=2, layers=1, max_seq=8, dropout=0.0)
+    ids = torch.randint(0, 16, (2, 8))
+    forward = export(module, (ids, ids), input_names=["input_ids", "labels"])
+    assert all(len(n.outputs) == 1 for n in forward.graph if n.op_type == "LayerNormalization")
+    training = build_training_graph(forward)
+    assert all(len(n.outputs) == 3 for n in training.graph if n.op_type == "LayerNormalization")
+    sce = [n for n in training.graph if n.op_type == "SoftmaxCrossEntropyLoss"]
+    assert len(sce) == 1 and len(sce[0].outputs) == 2
+    assert len(forward.graph.outputs) == 1  # the input model is not modified
+
+
+def test_mlp_parity():
+    module, args, names = _mlp_case()
+    training = build_training_graph(export(module, args, input_names=names))
+    result = check_parity(module, args, training, input_names=names)
+    result.assert_ok()
+    assert set(result.errors) == {"loss"} | {name for name, _ in module.named_parameters()}
+
+
+def test_transformer_block_parity_with_dropout():
+    torch.manual_seed(1)
+    module = _BlockRegression(hidden=32, heads=4, dropout=0.2)
+    args = (torch.randn(2, 8, 32), torch.randn(2, 8, 32))
+    training = build_training_graph(export(module, args, input_names=["x", "target"]))
+    ops = {n.op_type for n in training.graph}
+    assert {"LayerNormalization", "Softmax", "Dropout", "Erf", "Trilu"} <= ops
+    assert len(dropout_mask_names(training)) == 3
+    check_parity(module, args, training, input_names=["x", "target"]).assert_ok()
+
+
+def test_gpt_decoder_parity_with_ignore_index():
+    torch.manual_seed(2)
+    module = GPTDecoder(vocab=64, hidden=32, heads=4, layers=2, max_seq=16, dropout=0.1)
+    ids = torch.randint(0, 64, (2, 16))
+    labels = ids.roll(-1, dims=1)
+    labels[:, -4:] = -100
+    training = build_training_graph(export(module, (ids, labels), input_names=["input_ids", "labels"]))
+    check_parity(module, (ids, labels), training, input_names=["input_ids", "labels"]).assert_ok()
+
+
+def test_parity_check_detects_a_wrong_gradient():
+    module, args, names = _mlp_case()
+    training = build_training_graph(export(module, args, input_names=names))
+    with torch.no_grad():
+        for p in module.parameters():
+            p.mul_(1.0)
+    result = check_parity(module, args, training, input_names=names)
+    assert result.ok
+    # Feed ORT different weights than torch uses: the check must fail.
+    session = TrainingSession(training)
+    other = session.run(dict(zip(names, args)), {"fc1.weight": np.zeros((16, 8), np.float32)})
+    assert relative_error(other.gradients["fc2.weight"], result.torch_gradients["fc2.weight"]) > 1e-3
+
+
+def test_session_returns_masks_and_validates_batch():
+    torch.manual_seed(0)
+    module = _BlockRegression(hidden=16, heads=2, dropout=0.5)
+    args = (torch.randn(1, 4, 16), torch.randn(1, 4, 16))
+    training = build_training_graph(export(module, args, input_names=["x", "target"]))
+    masks = dropout_mask_names(training)
+    session = TrainingSession(training, extra_outputs=masks)
+    step = session.run({"x": args[0], "target": args[1].numpy()})
+    assert set(step.extras) == set(masks)
+    assert all(m.dtype == np.bool_ for m in step.extras.values())
+    with pytest.raises(OrtpassError, match="missing graph inputs \\['target'\\]"):
+        session.run({"x": args[0]})
+    with pytest.raises(OrtpassError, match="does not take: \\['bogus'\\]"):
+        session.run({"x": args[0], "target": args[1], "bogus": args[1]})
+    with pytest.raises(OrtpassError, match="'nope' is not a parameter"):
+        session.run({"x": args[0], "target": args[1]}, {"nope": args[1]})
+    with pytest.raises(OrtpassError, match="no node of the graph produces it"):
+        TrainingSession(training, extra_outputs=["no_such_value"])
+
+
+def test_cuda_provider_is_refused_clearly_without_a_cuda_build():
+    import onnxruntime as ort
+
+    module, args, names = _mlp_case()
+    training = build_training_graph(export(module, args, input_names=names))
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("this onnxruntime build has CUDA; the refusal is for CPU builds")
+    with pytest.raises(OrtpassError, match="CUDA execution provider is not available"):
+        TrainingSession(training, "cuda")
+
+
+# -- bad input ---------------------------------------------------------------------------
+
+
+def test_missing_loss_is_named():
+    module, args, names = _mlp_case()
+    forward = export(module, args, input_names=names)
+    with pytest.raises(TrainingGraphError, match="loss 'total' is not a graph output; outputs are \\['loss'\\]"):
+        build_training_graph(forward, loss="total")
+
+
+def test_unknown_parameter_is_named():
+    module, args, names = _mlp_case()
+    forward = export(module, args, input_names=names)
+    with pytest.raises(TrainingGraphError, match="parameter 'fc3.weight' is neither"):
+        build_training_graph(forward, params=["fc1.weight", "fc3.weight"])
+
+
+def test_integer_parameter_is_refused():
+    module, args, names = _mlp_case()
+    forward = export(module, args, input_names=names)
+    with pytest.raises(TrainingGraphError, match="parameter 'labels' is not floating point"):
+        build_training_graph(forward, params=["labels"])
+
+
+def test_opset_too_new_for_ort_is_named():
+    module, args, names = _mlp_case()
+    with pytest.raises(ExportError, match="opset 22 is not supported: ORT 1.19.2 loads ai.onnx opsets up to 21"):
+        export(module, args, input_names=names, opset=22)
+    # A model from elsewhere with opset 22 is refused by the gradient build too.
+    forward = export(module, args, input_names=names)
+    proto = ir.to_proto(forward)
+    proto.opset_import[0].version = 22
+    with pytest.raises(TrainingGraphError, match="opset 22 is newer than ONNX Runtime 1.19.2 loads"):
+        build_training_graph(ir.from_proto(proto))
+
+
+def test_forward_must_return_a_scalar_loss():
+    class NotALoss(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.fc(x)
+
+    with pytest.raises(ExportError, match="loss 'loss' has rank 2; it must be a scalar"):
+        export(NotALoss(), (torch.randn(2, 4),))
+
+
+def test_parameter_independent_of_loss_is_named():
+    module, args, names = _mlp_case()
+    forward = export(module, args, input_names=names)
+    proto = ir.to_proto(forward)
+    proto.graph.initializer.append(onnx.numpy_helper.from_array(np.ones((2, 2), np.float32), "unused.weight"))
+    with pytest.raises(TrainingGraphError, match="unused.weight"):
+        build_training_graph(ir.from_proto(proto), params=["fc1.weight", "unused.weight"])
