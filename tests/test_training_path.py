@@ -208,3 +208,18 @@ def test_parameter_independent_of_loss_is_named():
     proto.graph.initializer.append(onnx.numpy_helper.from_array(np.ones((2, 2), np.float32), "unused.weight"))
     with pytest.raises(TrainingGraphError, match="unused.weight"):
         build_training_graph(ir.from_proto(proto), params=["fc1.weight", "unused.weight"])
+
+
+def test_build_training_graph_pass_refuses_a_training_graph():
+    from ortpass.passes import BuildTrainingGraphPass
+
+    module, args, names = _mlp_case()
+    forward = export(module, args, input_names=names)
+    build = BuildTrainingGraphPass()
+    result = build(forward)
+    assert result.modified and result.model is not forward
+    partition = get_partition(result.model)
+    assert build.stats["counts"]["backward nodes"] == len(partition.backward)
+    assert get_training_info(result.model).loss == "loss"
+    with pytest.raises(ir.passes.PreconditionError, match="already a training graph"):
+        BuildTrainingGraphPass()(result.model)

@@ -1,0 +1,47 @@
+"""The gradient build as a pass: the boundary between pre-grad and post-grad passes.
+
+Rule: replace a forward+loss model by its forward+backward training graph (ORT's gradient
+builder, see :func:`ortpass.training.build_training_graph`).  Every pre-grad pass in a
+pipeline runs before it and every post-grad pass after it; a model that already is a
+training graph is refused.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import onnx_ir as ir
+
+from ortpass.analysis.partition import get_partition, is_training_graph
+from ortpass.passes.base import OrtFunctionalPass
+from ortpass.registry import register_pass
+from ortpass.training.build import build_training_graph
+
+__all__ = ["BuildTrainingGraphPass"]
+
+logger = logging.getLogger(__name__)
+
+
+@register_pass("build-training-graph")
+class BuildTrainingGraphPass(OrtFunctionalPass):
+    """Build the forward+backward graph; provides ``training-graph``."""
+
+    provides_properties = {"training-graph"}
+
+    def __init__(self, params: Sequence[str] | None = None, loss: str | None = None):
+        super().__init__()
+        self.params = list(params) if params is not None else None
+        self.loss = loss
+
+    def requires(self, model: ir.Model) -> None:
+        if is_training_graph(model):
+            raise ir.passes.PreconditionError("the model is already a training graph")
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        training = build_training_graph(model, params=self.params, loss=self.loss)
+        partition = get_partition(training)
+        self.count("forward nodes", len(partition.forward))
+        self.count("backward nodes", len(partition.backward))
+        self.count("stashed activations", len(partition.stashed))
+        return ir.passes.PassResult(training, modified=True)
