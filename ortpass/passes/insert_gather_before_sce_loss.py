@@ -1,0 +1,362 @@
+"""Padding elimination before the loss: gather the valid label rows into SoftmaxCrossEntropyLoss.
+
+When most labels equal ``ignore_index`` (padding, or unmasked tokens in masked-LM training)
+the loss and its gradient spend most of their time on rows that contribute nothing.  This
+pass computes the indices of the valid labels and gathers only those rows of the logits and
+labels before the loss, so the softmax, the loss and (after the gradient build) their
+gradients run on the valid rows only.  It is ORTModule's ``InsertGatherBeforeSceLoss``;
+see ``shared/reference/ort-training-facts.md`` section 2.
+
+Which losses are worth it is decided at export: :func:`ortpass.export.density.density_probe`
+measures each cross-entropy's label density on the export batch and routes sparse labels
+through an identity ``FlagAndPrintDensity`` PythonOp.  That flag is this pass's hint.
+
+Written as a plain onnx_ir pass rather than an onnxscript rewrite rule: every loss that is
+*not* rewritten must be reported with the condition that failed, the match looks through
+an optional Reshape and depends on graph outputs, and the flag is removed even where the
+loss is skipped -- a loop over the loss nodes states that more directly than a pattern.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+import numpy as np
+import onnx_ir as ir
+
+from ortpass.passes.base import CREATED_BY_KEY, OrtPass
+from ortpass.registry import register_pass
+
+__all__ = [
+    "FLAG_FUNC_NAME",
+    "FLAG_FUNC_NAMES",
+    "PRINT_DENSITY_ENV",
+    "VALID_DIM_PREFIX",
+    "InsertGatherBeforeSceLossPass",
+]
+
+logger = logging.getLogger(__name__)
+
+MS_DOMAIN = "com.microsoft"
+
+#: func_name of the flag ``ortpass.export.density`` exports (module.QualName of the class).
+#: Spelled out here so that this pass does not import torch.
+FLAG_FUNC_NAME = "ortpass.export.density.FlagAndPrintDensity"
+#: Flags this pass recognizes: ours, and the one ORTModule exported.
+FLAG_FUNC_NAMES = frozenset({FLAG_FUNC_NAME, "onnxruntime.training.ortmodule._runtime_inspector.FlagAndPrintDensity"})
+
+#: Environment switch (as ORT's ``ORTMODULE_PRINT_INPUT_DENSITY``): keep the flags so that
+#: they report the label density at every step when run through the torch bridge.
+PRINT_DENSITY_ENV = "ORTPASS_PRINT_INPUT_DENSITY"
+
+#: Name prefix of the symbolic dim that counts the valid labels of one loss.
+VALID_DIM_PREFIX = "valid_label_count_"
+
+# ai.onnx Squeeze takes its axes as an input from opset 13 on, as an attribute before.
+_SQUEEZE_AXES_AS_INPUT_OPSET = 13
+# SoftmaxCrossEntropyLoss first exists in ai.onnx opset 12.
+_SCE_MIN_OPSET = 12
+
+
+@dataclasses.dataclass
+class _Candidate:
+    """A loss node that passed every check, with what the rewrite needs."""
+
+    loss: ir.Node
+    ignore_index: int
+    flag: ir.Node | None
+    # Type and shape of the label: the flag's output may lack them while its input has them.
+    label_dtype: ir.DataType
+    label_shape: ir.Shape
+
+
+@register_pass("insert-gather-before-sce-loss")
+class InsertGatherBeforeSceLossPass(OrtPass):
+    """Gather the rows whose label is not ``ignore_index`` before a softmax cross-entropy loss.
+
+    Rule.  A loss node ``L`` -- ai.onnx ``SoftmaxCrossEntropyLoss`` (opset 12+) or
+    ``com.microsoft::SoftmaxCrossEntropyLossInternal`` -- is rewritten when all of:
+
+    1. its label does not already come from an inserted ``ShrunkenGather`` (idempotence);
+    2. its label comes from a density flag (a ``com.microsoft::PythonOp`` whose
+       ``func_name`` is in :data:`FLAG_FUNC_NAMES`), directly or through one Reshape --
+       unless ``force=True``;
+    3. the logits have known rank 2 and the labels known rank 1;
+    4. ``reduction`` is ``mean`` or ``sum`` (the loss stays a scalar whatever the row count);
+    5. ``ignore_index`` is known: the attribute of the ai.onnx op, or a constant input 3 of
+       the Internal op;
+    6. ``log_prob`` (output 1) has no consumer and is not a graph output (its rows would be
+       missing).
+
+    The rewrite inserts ``Sub(labels, ignore_index) -> NonZero -> Squeeze(axis 0)``, the
+    indices of the valid rows with a new dim ``valid_label_count_<n>``, and
+    ``com.microsoft::ShrunkenGather`` (axis 0) on the logits and on the labels of ``L``.
+    Mean and sum are unchanged because ignored rows contribute neither to the sum nor to
+    the mean's denominator; the gradient of the ignored rows is zero either way, and ORT's
+    ShrunkenGather gradient (GatherGrad) scatters zeros there.
+
+    Every density flag in the graph is removed afterwards (its only purpose is to mark
+    labels for this pass, and a PythonOp needs the torch bridge to run), except when
+    ``keep_flag_for_printing`` is set or ``ORTPASS_PRINT_INPUT_DENSITY=1``: the flags then
+    stay and report the density of every step when run through the torch bridge.  A flag
+    whose output is a graph output or whose context output is used is kept.
+
+    Statistics: counts ``losses rewritten``, ``gathers inserted``, ``flags removed``,
+    ``losses skipped``; notes ``rewritten`` (node, op, valid dim, export density when the
+    flag recorded one) and ``skipped`` (node, op, and the condition that failed).
+    """
+
+    phase = "pre-grad"
+
+    def __init__(self, *, force: bool = False, keep_flag_for_printing: bool | None = None) -> None:
+        super().__init__()
+        self.force = force
+        if keep_flag_for_printing is None:
+            keep_flag_for_printing = os.environ.get(PRINT_DENSITY_ENV, "0") == "1"
+        self.keep_flag_for_printing = keep_flag_for_printing
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(force={self.force}, keep_flag_for_printing={self.keep_flag_for_printing})"
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph = model.graph
+        candidates = []
+        for node in graph:
+            if not _is_sce_loss(node, model):
+                continue
+            candidate, reason = self._check(node, graph)
+            if candidate is None:
+                self.count("losses skipped")
+                self.note("skipped", {"node": node.name, "op": node.op_type, "reason": reason})
+                logger.debug("not rewriting %s (%s): %s", node.name, node.op_type, reason)
+            else:
+                candidates.append(candidate)
+
+        # Every check is done before the first edit: a loss that cannot be rewritten has
+        # already been set aside, so the edits below cannot leave a half-rewritten graph.
+        # Flags go first so that the new nodes read (and are named after) the label itself.
+        removed = 0 if self.keep_flag_for_printing else self._remove_flags(graph)
+        namer = _Namer(graph)
+        for candidate in candidates:
+            self._rewrite(model, candidate, namer)
+        return ir.passes.PassResult(model, modified=bool(candidates) or removed > 0)
+
+    # -- checks ---------------------------------------------------------------------------
+    def _check(self, loss: ir.Node, graph: ir.Graph) -> tuple[_Candidate | None, str]:
+        """Return the candidate, or None and the ORT condition that failed."""
+        label = loss.inputs[1]
+        producer = label.producer() if label is not None else None
+        if producer is not None and producer.op_type == "ShrunkenGather" and producer.domain == MS_DOMAIN:
+            return None, "already rewritten: the label comes from a ShrunkenGather"
+        flag = _flag_before(label)
+        if flag is None and not self.force:
+            return None, "label is not flagged by FlagAndPrintDensity (density at export >= threshold, or not probed)"
+        logits_rank = _rank(loss.inputs[0])
+        # An identity flag's input has the type and shape its output may not have recorded.
+        typed_label = flag.inputs[0] if flag is not None and producer is flag else label
+        label_rank = _rank(label) if _rank(label) is not None else _rank(typed_label)
+        if logits_rank is None or label_rank is None:
+            return None, f"rank unknown (logits rank {logits_rank}, labels rank {label_rank}); run shape inference first"
+        if (logits_rank, label_rank) != (2, 1):
+            return None, f"logits rank {logits_rank} and labels rank {label_rank}; needs 2 and 1"
+        reduction = _reduction(loss)
+        if reduction not in ("mean", "sum"):
+            return None, f"reduction is {reduction!r}; needs 'mean' or 'sum' (the loss would change shape)"
+        ignore_index, reason = _ignore_index(loss)
+        if ignore_index is None:
+            return None, reason
+        log_prob = loss.outputs[1] if len(loss.outputs) > 1 else None
+        if log_prob is not None and log_prob.is_graph_output():
+            return None, f"log_prob {log_prob.name!r} is a graph output"
+        if log_prob is not None and log_prob.uses():
+            return None, f"log_prob {log_prob.name!r} is consumed by {_consumer_names(log_prob)}"
+        label_dtype = label.dtype or typed_label.dtype
+        if label_dtype is None:
+            return None, f"label {label.name!r} has no known element type"
+        label_shape = label.shape if label.shape is not None else typed_label.shape
+        return _Candidate(loss, ignore_index, flag, label_dtype, label_shape), ""
+
+    # -- rewrite --------------------------------------------------------------------------
+    def _rewrite(self, model: ir.Model, candidate: _Candidate, namer: _Namer) -> None:
+        graph = model.graph
+        loss = candidate.loss
+        logits, labels = loss.inputs[0], loss.inputs[1]
+        assert logits is not None and labels is not None  # _check read their ranks
+        dim = namer.dim(VALID_DIM_PREFIX)
+        opset = model.opset_imports.get("", _SCE_MIN_OPSET)
+        tape = ir.tape.Tape()
+        indices = _valid_indices(tape, labels, candidate, dim, opset)
+        types = ((logits.dtype, logits.shape), (candidate.label_dtype, candidate.label_shape))
+        for index, (value, (dtype, shape)) in enumerate(zip((logits, labels), types)):
+            gathered = tape.op("ShrunkenGather", [value, indices], domain=MS_DOMAIN)
+            gathered.name = f"{value.name}_valid_rows"
+            gathered.dtype = dtype
+            gathered.shape = _with_first_dim(shape, dim)
+            loss.replace_input_with(index, gathered)
+        log_prob = loss.outputs[1] if len(loss.outputs) > 1 else None
+        if log_prob is not None:
+            # Unused, but the gradient build reads it: its rows are now the valid rows.
+            log_prob.shape = _with_first_dim(log_prob.shape, dim)
+        for node in tape.nodes:
+            node.outputs[0].name = namer.value(node.outputs[0].name)
+            node.name = namer.node(f"{node.outputs[0].name}_{node.op_type}")
+            node.metadata_props[CREATED_BY_KEY] = self.pass_name
+        graph.insert_before(loss, tape.nodes)
+        model.opset_imports.setdefault(MS_DOMAIN, 1)
+        self.count("losses rewritten")
+        self.count("gathers inserted", 2)
+        record = {"node": loss.name, "op": loss.op_type, "valid_dim": dim}
+        density = _flag_density(candidate.flag) if candidate.flag is not None else None
+        if density is not None:
+            record["export_density"] = density
+        self.note("rewritten", record)
+        logger.info("gathering valid label rows before %s (%s) along %s", loss.name, loss.op_type, dim)
+
+    def _remove_flags(self, graph: ir.Graph) -> int:
+        removed = 0
+        for node in list(graph):
+            if not _is_flag(node):
+                continue
+            context, flagged = node.outputs[0], node.outputs[1]
+            if flagged.is_graph_output() or context.uses() or context.is_graph_output():
+                self.note("flags kept", {"node": node.name, "reason": "its output is a graph output or its context is used"})
+                continue
+            flagged.replace_all_uses_with(node.inputs[0])
+            graph.remove(node, safe=True)
+            removed += 1
+        if removed:
+            self.count("flags removed", removed)
+        return removed
+
+
+# -- helpers ----------------------------------------------------------------------------------
+def _is_sce_loss(node: ir.Node, model: ir.Model) -> bool:
+    if node.op_type == "SoftmaxCrossEntropyLossInternal":
+        return node.domain == MS_DOMAIN
+    if node.op_type == "SoftmaxCrossEntropyLoss" and node.domain in ("", "ai.onnx"):
+        return model.opset_imports.get("", 0) >= _SCE_MIN_OPSET
+    return False
+
+
+def _is_flag(node: ir.Node) -> bool:
+    if node.op_type != "PythonOp" or node.domain != MS_DOMAIN:
+        return False
+    func_name = node.attributes.get("func_name")
+    return func_name is not None and func_name.value in FLAG_FUNC_NAMES and len(node.outputs) >= 2
+
+
+def _flag_before(label: ir.Value | None) -> ir.Node | None:
+    """The density flag producing ``label``, directly or through one Reshape."""
+    producer = label.producer() if label is not None else None
+    if producer is not None and producer.op_type == "Reshape" and producer.domain in ("", "ai.onnx"):
+        data = producer.inputs[0]
+        producer = data.producer() if data is not None else None
+    if producer is not None and _is_flag(producer):
+        return producer
+    return None
+
+
+def _flag_density(flag: ir.Node) -> float | None:
+    """The density the flag recorded at export (its first float argument), if any."""
+    floats = flag.attributes.get("input_float_scalars")
+    if floats is None or not floats.value:
+        return None
+    return float(floats.value[0])
+
+
+def _rank(value: ir.Value | None) -> int | None:
+    if value is None or value.shape is None:
+        return None
+    return len(value.shape)
+
+
+def _reduction(loss: ir.Node) -> str:
+    # Both ops default to "mean" when the attribute is absent.
+    return loss.attributes.get_string("reduction", "mean")
+
+
+def _ignore_index(loss: ir.Node) -> tuple[int | None, str]:
+    """The loss's ignore_index, or None and why it is not known."""
+    if loss.op_type == "SoftmaxCrossEntropyLoss":
+        attr = loss.attributes.get("ignore_index")
+        if attr is None:
+            return None, "ignore_index attribute is missing"
+        return int(attr.value), ""
+    operand = loss.inputs[3] if len(loss.inputs) > 3 else None
+    if operand is None:
+        return None, "ignore_index input (input 3) is missing"
+    tensor = ir.convenience.get_const_tensor(operand)
+    if tensor is None:
+        return None, f"ignore_index input {operand.name!r} is not a constant"
+    array = tensor.numpy()
+    if array.size != 1:
+        return None, f"ignore_index input {operand.name!r} has {array.size} elements; needs a scalar"
+    return int(array.reshape(())), ""
+
+
+def _valid_indices(tape: ir.tape.Tape, labels: ir.Value, candidate: _Candidate, dim: str, opset: int) -> ir.Value:
+    """``Squeeze(NonZero(labels - ignore_index), axis 0)``: positions of the valid labels."""
+    # A fresh constant in the labels' own dtype: the Internal op's ignore_index input is
+    # int64 even when the labels are int32, and Sub needs both operands alike.
+    scalar = np.array(candidate.ignore_index, dtype=candidate.label_dtype.numpy())
+    ignore = tape.op("Constant", [], {"value": ir.tensor(scalar)})
+    ignore.name = f"{labels.name}_ignore_index"
+    offset = tape.op("Sub", [labels, ignore])
+    offset.name = f"{labels.name}_minus_ignore_index"
+    nonzero = tape.op("NonZero", [offset])
+    nonzero.name = f"{labels.name}_valid_positions"
+    if opset >= _SQUEEZE_AXES_AS_INPUT_OPSET:
+        axes = tape.op("Constant", [], {"value": ir.tensor(np.array([0], dtype=np.int64))})
+        axes.name = f"{labels.name}_axis0"
+        indices = tape.op("Squeeze", [nonzero, axes])
+    else:
+        indices = tape.op("Squeeze", [nonzero], {"axes": [0]})
+    indices.name = f"{labels.name}_valid_indices"
+    ignore.dtype, ignore.shape = candidate.label_dtype, ir.Shape([])
+    offset.dtype, offset.shape = candidate.label_dtype, candidate.label_shape
+    nonzero.dtype, nonzero.shape = ir.DataType.INT64, ir.Shape([1, dim])
+    indices.dtype, indices.shape = ir.DataType.INT64, ir.Shape([dim])
+    return indices
+
+
+def _with_first_dim(shape: ir.Shape | None, dim: str) -> ir.Shape | None:
+    if shape is None:
+        return None
+    return ir.Shape([dim, *list(shape)[1:]])
+
+
+def _consumer_names(value: ir.Value) -> list[str]:
+    return sorted({use.node.name or use.node.op_type for use in value.uses()})
+
+
+class _Namer:
+    """Fresh value, node and dim names for one graph (new names must not shadow old ones)."""
+
+    def __init__(self, graph: ir.Graph) -> None:
+        values = [*graph.inputs, *graph.initializers.values()]
+        values += [out for node in graph for out in node.outputs]
+        self._values = {v.name for v in values if v.name}
+        self._nodes = {node.name for node in graph if node.name}
+        self._dims = {
+            str(d.value) for v in values for d in (v.shape or ()) if isinstance(d, ir.SymbolicDim) and d.value is not None
+        }
+
+    def value(self, base: str) -> str:
+        return _fresh(base, self._values, always_number=False)
+
+    def node(self, base: str) -> str:
+        return _fresh(base, self._nodes, always_number=False)
+
+    def dim(self, prefix: str) -> str:
+        return _fresh(prefix, self._dims, always_number=True)
+
+
+def _fresh(base: str, used: set[str], *, always_number: bool) -> str:
+    name, n = (f"{base}0", 0) if always_number else (base, 0)
+    while name in used:
+        n += 1
+        name = f"{base}{n}" if always_number else f"{base}_{n}"
+    used.add(name)
+    return name
