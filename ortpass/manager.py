@@ -1,0 +1,770 @@
+"""The ortpass pass manager: orders passes from their declarations, checks the model
+after each one, rolls back a failing pass, and reports what every pass did.
+
+:class:`PassManager` is itself an ``onnx_ir`` :class:`~onnx_ir.passes.FunctionalPass`: the
+model it is given is never changed (every in-place pass runs on a copy, which is also what
+makes rollback possible), it returns a new model, and it can be nested inside any onnx_ir
+``PassManager``.  Its result is a :class:`ManagerResult`, an ``onnx_ir`` ``PassResult`` that
+also carries the :class:`PassReport`.
+
+Ordering rules, from the declarations in :mod:`ortpass.passes.base`:
+
+* phase: ``pre-grad`` passes run before the pass that provides ``"training-graph"``,
+  ``post-grad`` passes after it (a post-grad pass implicitly requires ``"training-graph"``);
+* ``requires_properties`` / ``provides_properties``: a pass runs after every other pass in
+  the set that provides a property it requires; a requirement that no pass provides and
+  that is not in ``assume`` is refused;
+* ``runs_before`` / ``runs_after``: constraints between passes that are both in the set.
+
+Where the declarations say nothing the given order is kept (a stable topological sort).
+Plain onnx_ir passes (not ortpass passes) have phase ``"any"`` and no declarations.
+
+Pipelines are written as text, MLIR style: ``pipeline("a,b(opt=1,name='x'),c")``.
+"""
+
+from __future__ import annotations
+
+import ast
+import collections
+import dataclasses
+import heapq
+import inspect
+import json
+import logging
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any, Iterable, Iterator, NoReturn, Sequence
+
+import onnx
+import onnx_ir as ir
+
+from ortpass.errors import ModelLoadError, PassFailedError, PassOrderingError, PipelineSpecError
+from ortpass.passes.base import CREATED_BY_KEY, PassDeclarations
+from ortpass.registry import get_pass
+
+__all__ = [
+    "TRAINING_GRAPH",
+    "ManagerResult",
+    "PassManager",
+    "PassRecord",
+    "PassReport",
+    "PassSpec",
+    "order_passes",
+    "parse_pipeline",
+    "pipeline",
+]
+
+logger = logging.getLogger(__name__)
+
+#: The property provided by the gradient build; it separates the two phases.
+TRAINING_GRAPH = "training-graph"
+
+
+# ---------------------------------------------------------------------------------------
+# Ordering
+# ---------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Declarations:
+    name: str
+    phase: str
+    requires: frozenset[str]
+    provides: frozenset[str]
+    runs_before: frozenset[str]
+    runs_after: frozenset[str]
+
+
+def _pass_name(pass_: ir.passes.PassBase) -> str:
+    return getattr(pass_, "pass_name", None) or getattr(pass_, "name", None) or type(pass_).__name__
+
+
+def _declarations(pass_: ir.passes.PassBase) -> _Declarations:
+    """Read a pass's declarations; a plain onnx_ir pass declares nothing."""
+    if not isinstance(pass_, PassDeclarations):
+        empty: frozenset[str] = frozenset()
+        return _Declarations(_pass_name(pass_), "any", empty, empty, empty, empty)
+    return _Declarations(
+        name=pass_.pass_name,
+        phase=pass_.phase,
+        requires=frozenset(pass_.requires_properties),
+        provides=frozenset(pass_.provides_properties),
+        runs_before=frozenset(pass_.runs_before),
+        runs_after=frozenset(pass_.runs_after),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Edge:
+    first: int
+    then: int
+    reason: str
+
+
+def _ordering_edges(decls: Sequence[_Declarations], assume: frozenset[str]) -> list[_Edge]:
+    providers: dict[str, list[int]] = collections.defaultdict(list)
+    for i, d in enumerate(decls):
+        for prop in d.provides:
+            providers[prop].append(i)
+    edges: list[_Edge] = []
+    for i, d in enumerate(decls):
+        edges += _requirement_edges(i, decls, providers, assume)
+        edges += _phase_edges(i, decls, providers, assume)
+        for j, other in enumerate(decls):
+            if j == i:
+                continue
+            if other.name in d.runs_before:
+                edges.append(_Edge(i, j, f"{d.name!r} declares runs_before {other.name!r}"))
+            if other.name in d.runs_after:
+                edges.append(_Edge(j, i, f"{d.name!r} declares runs_after {other.name!r}"))
+    return edges
+
+
+def _requirement_edges(
+    i: int, decls: Sequence[_Declarations], providers: dict[str, list[int]], assume: frozenset[str]
+) -> list[_Edge]:
+    d = decls[i]
+    needs = set(d.requires)
+    if d.phase == "post-grad":
+        needs.add(TRAINING_GRAPH)  # post-grad passes run on the training graph
+    edges = []
+    for prop in sorted(needs):
+        sources = [j for j in providers.get(prop, ()) if j != i]
+        if not sources and prop not in assume:
+            why = " (post-grad passes run on the training graph)" if prop == TRAINING_GRAPH else ""
+            raise PassOrderingError(
+                f"pass {d.name!r} requires {prop!r}{why}, but no pass in the set provides it; "
+                f"add a pass that provides {prop!r}, or declare that the input model has it "
+                f"with assume=[{prop!r}]"
+            )
+        edges += [_Edge(j, i, f"{d.name!r} requires {prop!r}, provided by {decls[j].name!r}") for j in sources]
+    return edges
+
+
+def _phase_edges(
+    i: int, decls: Sequence[_Declarations], providers: dict[str, list[int]], assume: frozenset[str]
+) -> list[_Edge]:
+    d = decls[i]
+    if d.phase != "pre-grad":
+        return []
+    builders = [j for j in providers.get(TRAINING_GRAPH, ()) if j != i]
+    if not builders and TRAINING_GRAPH in assume:
+        raise PassOrderingError(
+            f"pass {d.name!r} is a pre-grad pass, but the input model is declared to be a training "
+            f"graph already (assume contains {TRAINING_GRAPH!r})"
+        )
+    return [
+        _Edge(i, j, f"{d.name!r} is pre-grad, so it runs before {decls[j].name!r} which provides {TRAINING_GRAPH!r}")
+        for j in builders
+    ]
+
+
+def _stable_toposort(decls: Sequence[_Declarations], edges: Sequence[_Edge]) -> list[int]:
+    """Kahn's algorithm taking the lowest given position among the ready passes."""
+    n = len(decls)
+    successors: dict[int, set[int]] = collections.defaultdict(set)
+    indegree = [0] * n
+    for e in edges:
+        if e.then not in successors[e.first]:
+            successors[e.first].add(e.then)
+            indegree[e.then] += 1
+    ready = [i for i in range(n) if indegree[i] == 0]
+    heapq.heapify(ready)
+    order: list[int] = []
+    while ready:
+        i = heapq.heappop(ready)
+        order.append(i)
+        for j in successors[i]:
+            indegree[j] -= 1
+            if indegree[j] == 0:
+                heapq.heappush(ready, j)
+    if len(order) < n:
+        raise _cycle_error(decls, edges, {i for i in range(n) if indegree[i] > 0})
+    return order
+
+
+def _cycle_error(decls: Sequence[_Declarations], edges: Sequence[_Edge], stuck: set[int]) -> PassOrderingError:
+    # Every pass left over has a predecessor that is also left over, so walking
+    # predecessors from any of them must come back to a pass already seen: a cycle.
+    incoming = {e.then: e for e in edges if e.first in stuck and e.then in stuck}
+    path: list[int] = []
+    node = min(stuck)
+    while node not in path:
+        path.append(node)
+        node = incoming[node].first
+    cycle = path[path.index(node):][::-1]
+    steps = [incoming[j].reason for j in cycle[1:] + cycle[:1]]
+    names = " -> ".join(decls[i].name for i in cycle + cycle[:1])
+    return PassOrderingError(f"the passes cannot be ordered, they form a cycle: {names} ({'; '.join(steps)})")
+
+
+def order_passes(passes: Sequence[ir.passes.PassBase], *, assume: Iterable[str] = ()) -> list[ir.passes.PassBase]:
+    """Return ``passes`` in the order their declarations demand (see the module docstring).
+
+    Raises PassOrderingError naming the passes when there is a cycle, a requirement that
+    nobody provides, or a pre-grad pass for a model assumed to be a training graph.
+    """
+    decls = [_declarations(p) for p in passes]
+    edges = _ordering_edges(decls, frozenset(assume))
+    return [passes[i] for i in _stable_toposort(decls, edges)]
+
+
+# ---------------------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class PassRecord:
+    """What one pass did.  ``added``/``removed`` count nodes by op type
+    (``domain::Op`` outside the default domain); ``stats`` is the pass's own statistics."""
+
+    position: int
+    name: str
+    seconds: float = 0.0
+    check_seconds: float = 0.0
+    modified: bool = False
+    nodes_before: int = 0
+    nodes_after: int = 0
+    added: dict[str, int] = dataclasses.field(default_factory=dict)
+    removed: dict[str, int] = dataclasses.field(default_factory=dict)
+    stats: dict[str, Any] = dataclasses.field(default_factory=dict)
+    error: str | None = None
+    dump_path: str | None = None
+    # For a failed pass, seconds/added/removed/stats describe the attempt that was rolled back.
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+
+@dataclasses.dataclass
+class PassReport:
+    """Per-pass records of one pass-manager run, in the order the passes ran."""
+
+    records: list[PassRecord] = dataclasses.field(default_factory=list)
+
+    @property
+    def modified(self) -> bool:
+        return any(r.modified and not r.failed for r in self.records)
+
+    @property
+    def total_seconds(self) -> float:
+        return sum(r.seconds + r.check_seconds for r in self.records)
+
+    def __getitem__(self, name: str) -> PassRecord:
+        """The record of the first pass called ``name``."""
+        for record in self.records:
+            if record.name == name:
+                return record
+        raise KeyError(f"no pass named {name!r} in this report; passes: {[r.name for r in self.records]}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "passes": [dataclasses.asdict(r) for r in self.records],
+            "total_seconds": self.total_seconds,
+            "modified": self.modified,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PassReport:
+        return cls([PassRecord(**r) for r in data["passes"]])
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str) -> PassReport:
+        return cls.from_dict(json.loads(text))
+
+    def save(self, path: str | os.PathLike) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(self.to_json() + "\n", encoding="utf-8")
+
+    def to_table(self) -> str:
+        """A fixed-width text table, one row per pass, and a total line."""
+        header = ("#", "pass", "ms", "check ms", "changed", "nodes", "added", "removed", "stats")
+        rows = [header] + [_table_row(r) for r in self.records]
+        widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
+        numeric = {0, 2, 3}  # right-align numbers
+        lines = [
+            "  ".join(cell.rjust(w) if c in numeric else cell.ljust(w) for c, (cell, w) in enumerate(zip(row, widths))).rstrip()
+            for row in rows
+        ]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        if self.records:
+            first, last = self.records[0], self.records[-1]
+            nodes_after = last.nodes_before if last.failed else last.nodes_after
+            lines.append(
+                f"total: {len(self.records)} passes, {self.total_seconds * 1000:.1f} ms, "
+                f"nodes {first.nodes_before} -> {nodes_after}"
+            )
+        else:
+            lines.append("total: no passes ran")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.to_table()
+
+
+def _table_row(r: PassRecord) -> tuple[str, ...]:
+    changed = "FAILED" if r.failed else ("yes" if r.modified else "no")
+    nodes = f"{r.nodes_before}" if r.failed else f"{r.nodes_before} -> {r.nodes_after}"
+    return (
+        str(r.position),
+        r.name,
+        f"{r.seconds * 1000:.1f}",
+        f"{r.check_seconds * 1000:.1f}",
+        changed,
+        nodes,
+        _format_counts(r.added, "+"),
+        _format_counts(r.removed, "-"),
+        " ".join(r.error.split()) if r.error else _format_stats(r.stats),  # one line per row
+    )
+
+
+def _format_counts(counts: dict[str, int], sign: str) -> str:
+    return " ".join(f"{op}{sign}{n}" for op, n in sorted(counts.items())) or "-"
+
+
+def _format_stats(stats: dict[str, Any]) -> str:
+    parts = [f"{key}={value}" for key, value in stats.get("counts", {}).items()]
+    parts += [f"{key}: {len(values)} noted" for key, values in stats.get("notes", {}).items()]
+    return "; ".join(parts) or "-"
+
+
+@dataclasses.dataclass
+class ManagerResult(ir.passes.PassResult):
+    """An onnx_ir PassResult that also carries the manager's report."""
+
+    report: PassReport
+
+
+# ---------------------------------------------------------------------------------------
+# Running
+# ---------------------------------------------------------------------------------------
+
+
+def _all_nodes(model: ir.Model) -> Iterator[ir.Node]:
+    yield from model.graph.all_nodes()
+    for function in model.functions.values():
+        yield from ir.traversal.RecursiveGraphIterator(function)
+
+
+def _op_label(node: ir.Node) -> str:
+    return node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}::{node.op_type}"
+
+
+def _signature(node: ir.Node) -> tuple:
+    return (node.domain, node.op_type, node.name, tuple(v.name for v in node.outputs))
+
+
+def _diff_nodes(before: list[ir.Node], after: list[ir.Node]) -> tuple[list[ir.Node], list[ir.Node]]:
+    """Nodes created and nodes removed by a pass, by node identity.
+
+    ``before`` must hold the node objects themselves (not their ids) so that a removed
+    node cannot be freed and its id reused by a new one while we compare.  A pass that
+    rebuilt the whole model (a functional pass that cloned it) shares no node objects
+    with its input; then nodes are matched by (domain, op type, name, output names).
+    """
+    before_ids = {id(n) for n in before}
+    after_ids = {id(n) for n in after}
+    if before and after and before_ids.isdisjoint(after_ids):
+        return _multiset_minus(after, before), _multiset_minus(before, after)
+    return [n for n in after if id(n) not in before_ids], [n for n in before if id(n) not in after_ids]
+
+
+def _multiset_minus(nodes: list[ir.Node], others: list[ir.Node]) -> list[ir.Node]:
+    remaining = collections.Counter(_signature(n) for n in others)
+    extra = []
+    for node in nodes:
+        key = _signature(node)
+        if remaining[key]:
+            remaining[key] -= 1
+        else:
+            extra.append(node)
+    return extra
+
+
+def _count_ops(nodes: Iterable[ir.Node]) -> dict[str, int]:
+    return dict(sorted(collections.Counter(_op_label(n) for n in nodes).items()))
+
+
+def _stats_of(pass_: ir.passes.PassBase) -> dict[str, Any]:
+    stats = getattr(pass_, "stats", None)
+    if not isinstance(stats, dict):
+        return {}
+    # A JSON round trip copies the statistics (the pass resets them on its next run) and
+    # makes them serializable; values JSON cannot hold are written as their str().
+    return json.loads(json.dumps(stats, default=str))
+
+
+def _describe(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    cause = exc.__cause__
+    if cause is not None:  # onnx_ir wraps failed pre/postconditions; the cause says why
+        text += f" (caused by {type(cause).__name__}: {cause})"
+    return text
+
+
+class PassManager(ir.passes.FunctionalPass):
+    """Runs a set of passes in the order their declarations demand, checking after each.
+
+    Args:
+        passes: pass instances, in any order (see the module docstring for the rules).
+        assume: properties the input model already has (e.g. ``["training-graph"]`` to run
+            post-grad passes on a model that is already a training graph).
+        check: after every pass, serialize with ``ir.to_proto`` and run
+            ``onnx.checker.check_model`` (the input model is checked first, so a bad input
+            is not blamed on the first pass).  The checker validates graph structure
+            (topological order, single assignment, every input defined, opset imports
+            present) and ai.onnx schemas; it has no schemas for ``com.microsoft`` ops and
+            lets them through unchecked.  The pass's own ``ensures`` postconditions run
+            through onnx_ir's ``PassBase.__call__``.
+        dump_dir: if given, write ``NN_<pass>.onnx`` after each pass that changed the
+            model (NN = its 2-digit position), and ``NN_<pass>.failed-input.onnx`` with the
+            input of a pass that failed, to reproduce the failure with that pass alone.
+        instruments: hook objects, see :mod:`ortpass.instruments`.
+
+    Calling the manager returns a :class:`ManagerResult` (``.model``, ``.modified``,
+    ``.report``); the report of the latest run is also kept in ``.report``.  If a pass
+    fails it raises :class:`~ortpass.errors.PassFailedError` carrying the model as it was
+    before that pass and the report so far.  The nodes a pass creates are tagged with its
+    name in node metadata (``CREATED_BY_KEY``) unless the pass tagged them itself.
+
+    The ordering is decided in the constructor: an unorderable set raises
+    PassOrderingError there, before any model is touched.
+    """
+
+    def __init__(
+        self,
+        passes: Iterable[ir.passes.PassBase],
+        *,
+        assume: Iterable[str] = (),
+        check: bool = True,
+        dump_dir: str | os.PathLike | None = None,
+        instruments: Iterable[Any] = (),
+    ) -> None:
+        given = list(passes)
+        for p in given:
+            if not isinstance(p, ir.passes.PassBase):
+                hint = f"; pass an instance, {p.__name__}()" if isinstance(p, type) else ""
+                raise TypeError(f"PassManager takes onnx_ir pass instances, got {p!r}{hint}")
+        if isinstance(assume, str):
+            raise TypeError(f"assume must be a collection of property names, not the str {assume!r}")
+        self.assume = frozenset(assume)
+        self.passes: list[ir.passes.PassBase] = order_passes(given, assume=self.assume)
+        self.check = check
+        self.dump_dir = Path(dump_dir) if dump_dir is not None else None
+        self.instruments = tuple(instruments)
+        self.report: PassReport | None = None
+
+    def __repr__(self) -> str:
+        return f"PassManager([{', '.join(_pass_name(p) for p in self.passes)}])"
+
+    def call(self, model: ir.Model) -> ManagerResult:
+        report = PassReport()
+        self.report = report
+        if self.check:
+            self._check_input(model)
+        self._notify("run_begin", self.passes, model)
+        current = model
+        try:
+            for position, pass_ in enumerate(self.passes, start=1):
+                current = self._run_pass(position, pass_, current, report)
+        finally:
+            self._notify("run_end", current, report)
+        if current is model:  # nothing replaced the input; a functional pass returns a new model
+            current = model.clone()
+        return ManagerResult(current, report.modified, report)
+
+    def _check_input(self, model: ir.Model) -> None:
+        try:
+            onnx.checker.check_model(ir.to_proto(model))
+        except Exception as exc:
+            raise ModelLoadError(f"the input model fails the onnx checker before any pass ran: {_describe(exc)}") from exc
+
+    def _run_pass(self, position: int, pass_: ir.passes.PassBase, model: ir.Model, report: PassReport) -> ir.Model:
+        record = PassRecord(position, _pass_name(pass_))
+        self._notify("before_pass", pass_, model)
+        # An in-place (or destructive) pass gets a copy, so that `model` is still the
+        # model before this pass if it fails half way.
+        work = model.clone() if pass_.changes_input else model
+        before = list(_all_nodes(work))  # the objects, kept alive for the identity diff
+        record.nodes_before = len(before)
+        start = time.perf_counter()
+        try:
+            result = pass_(work)
+        except Exception as exc:
+            record.seconds = time.perf_counter() - start
+            self._fail(pass_, record, model, report, _describe(exc), exc)
+        record.seconds = time.perf_counter() - start
+        record.stats = _stats_of(pass_)
+        self._record_changes(record, result, before)
+        proto = self._check_output(pass_, record, model, report, result.model)
+        if record.modified and self.dump_dir is not None:
+            record.dump_path = self._dump(proto or ir.to_proto(result.model), f"{position:02d}_{record.name}.onnx")
+        report.records.append(record)
+        self._notify("after_pass", pass_, result.model, record)
+        return result.model
+
+    def _record_changes(self, record: PassRecord, result: ir.passes.PassResult, before: list[ir.Node]) -> None:
+        after = list(_all_nodes(result.model))
+        added, removed = _diff_nodes(before, after)
+        for node in added:
+            node.metadata_props.setdefault(CREATED_BY_KEY, record.name)
+        record.modified = bool(result.modified)
+        record.nodes_after = len(after)
+        record.added = _count_ops(added)
+        record.removed = _count_ops(removed)
+        if not record.modified and (added or removed):
+            logger.warning(
+                "pass %r reported modified=False but added %s and removed %s", record.name, record.added, record.removed
+            )
+
+    def _check_output(
+        self, pass_: ir.passes.PassBase, record: PassRecord, model: ir.Model, report: PassReport, out: ir.Model
+    ) -> onnx.ModelProto | None:
+        if not self.check:
+            return None
+        start = time.perf_counter()
+        try:
+            proto = ir.to_proto(out)
+            onnx.checker.check_model(proto)
+        except Exception as exc:
+            record.check_seconds = time.perf_counter() - start
+            self._fail(pass_, record, model, report, f"the model fails the onnx checker after this pass: {_describe(exc)}", exc)
+        record.check_seconds = time.perf_counter() - start
+        return proto
+
+    def _fail(
+        self, pass_: ir.passes.PassBase, record: PassRecord, model: ir.Model, report: PassReport, reason: str, exc: Exception
+    ) -> NoReturn:
+        record.error = reason
+        if not record.stats:
+            record.stats = _stats_of(pass_)
+        if self.dump_dir is not None:
+            record.dump_path = self._dump(ir.to_proto(model), f"{record.position:02d}_{record.name}.failed-input.onnx")
+        report.records.append(record)
+        logger.debug("pass %r failed; rolled back to the model before it", record.name, exc_info=exc)
+        self._notify("after_pass", pass_, model, record)
+        raise PassFailedError(record.name, reason, model=model, report=report) from exc
+
+    def _dump(self, proto: onnx.ModelProto, file_name: str) -> str:
+        assert self.dump_dir is not None
+        self.dump_dir.mkdir(parents=True, exist_ok=True)
+        path = self.dump_dir / file_name
+        onnx.save(proto, str(path))
+        logger.debug("wrote %s", path)
+        return str(path)
+
+    def _notify(self, hook: str, *args: Any) -> None:
+        for instrument in self.instruments:
+            method = getattr(instrument, hook, None)
+            if method is not None:
+                method(*args)
+
+
+# ---------------------------------------------------------------------------------------
+# Pipeline text
+# ---------------------------------------------------------------------------------------
+
+_PASS_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")
+_OPTION_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_SCALARS = (bool, int, float, str, type(None))
+_CLOSING = {"(": ")", "[": "]", "{": "}"}
+
+
+@dataclasses.dataclass(frozen=True)
+class PassSpec:
+    """One pass of a parsed pipeline: its name, options, and where it starts in the text."""
+
+    name: str
+    options: dict[str, Any]
+    position: int
+
+
+class _PipelineParser:
+    """Recursive descent over ``name[(key=value, ...)](, name[(...)])*``."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.pos = 0
+
+    def error(self, message: str, pos: int | None = None) -> PipelineSpecError:
+        where = self.pos if pos is None else pos
+        return PipelineSpecError(f"pipeline {self.text!r}, position {where}: {message}")
+
+    def peek(self) -> str:
+        self.skip_space()
+        return self.text[self.pos : self.pos + 1]
+
+    def skip_space(self) -> None:
+        while self.pos < len(self.text) and self.text[self.pos].isspace():
+            self.pos += 1
+
+    def found(self) -> str:
+        return repr(self.text[self.pos]) if self.pos < len(self.text) else "the end of the text"
+
+    def match(self, pattern: re.Pattern[str], what: str) -> str:
+        self.skip_space()
+        m = pattern.match(self.text, self.pos)
+        if m is None:
+            raise self.error(f"expected {what}, found {self.found()}")
+        self.pos = m.end()
+        return m.group()
+
+    def parse(self) -> list[PassSpec]:
+        if not self.peek():
+            raise self.error("the pipeline is empty; name at least one pass")
+        specs = [self.parse_pass()]
+        while self.peek() == ",":
+            self.pos += 1
+            specs.append(self.parse_pass())
+        if self.peek():
+            raise self.error(f"expected ',' between passes, found {self.found()}")
+        return specs
+
+    def parse_pass(self) -> PassSpec:
+        self.skip_space()
+        start = self.pos
+        name = self.match(_PASS_NAME, "a pass name")
+        options: dict[str, Any] = {}
+        if self.peek() == "(":
+            self.pos += 1
+            if self.peek() == ")":
+                self.pos += 1
+            else:
+                self.parse_options(name, options)
+        return PassSpec(name, options, start)
+
+    def parse_options(self, pass_name: str, options: dict[str, Any]) -> None:
+        while True:
+            key_pos = self.pos
+            key = self.match(_OPTION_NAME, f"an option name in pass {pass_name!r}")
+            if key in options:
+                raise self.error(f"option {key!r} of pass {pass_name!r} is given twice", key_pos)
+            if self.peek() != "=":
+                raise self.error(f"expected '=' after option {key!r} of pass {pass_name!r}, found {self.found()}")
+            self.pos += 1
+            options[key] = self.parse_value(pass_name, key)
+            nxt = self.peek()
+            if nxt not in (",", ")"):
+                raise self.error(f"expected ',' or ')' after option {key!r} of pass {pass_name!r}, found {self.found()}")
+            self.pos += 1
+            if nxt == ")":
+                return
+
+    def parse_value(self, pass_name: str, key: str) -> Any:
+        self.skip_space()
+        start = self.pos
+        end = self.value_end(start)
+        raw = self.text[start:end].strip()
+        if not raw:
+            raise self.error(f"option {key!r} of pass {pass_name!r} has no value", start)
+        try:
+            value = ast.literal_eval(raw)
+        except (ValueError, SyntaxError, MemoryError, RecursionError):
+            raise self.error(
+                f"option {key!r} of pass {pass_name!r}: {raw!r} is not a literal (int, float, True/False, "
+                "None, a quoted string, or a [list] of those; quote strings: name='x')",
+                start,
+            ) from None
+        if not _is_option_value(value):
+            raise self.error(
+                f"option {key!r} of pass {pass_name!r}: {raw!r} is a {type(value).__name__}; options take "
+                "int, float, bool, None, str, or a list of those",
+                start,
+            )
+        self.pos = end
+        return value
+
+    def value_end(self, start: int) -> int:
+        """Index where the value starting at ``start`` ends: a ',' or ')' outside quotes and brackets."""
+        stack: list[str] = []
+        i = start
+        while i < len(self.text):
+            ch = self.text[i]
+            if ch in "'\"":
+                i = self.string_end(i)
+                continue
+            if ch in _CLOSING:
+                stack.append(_CLOSING[ch])
+            elif stack and ch == stack[-1]:
+                stack.pop()
+            elif not stack and ch in ",)":
+                return i
+            i += 1
+        if stack:
+            raise self.error(f"unbalanced brackets: {stack[-1]!r} expected before the end of the text", start)
+        raise self.error("the options are not closed: expected ')' before the end of the text", start)
+
+    def string_end(self, quote_pos: int) -> int:
+        quote = self.text[quote_pos]
+        i = quote_pos + 1
+        while i < len(self.text):
+            if self.text[i] == "\\":
+                i += 2
+                continue
+            if self.text[i] == quote:
+                return i + 1
+            i += 1
+        raise self.error(f"unterminated string starting with {quote}", quote_pos)
+
+
+def _is_option_value(value: Any) -> bool:
+    if isinstance(value, (list, tuple)):
+        return all(isinstance(v, _SCALARS) for v in value)
+    return isinstance(value, _SCALARS)
+
+
+def parse_pipeline(spec: str) -> list[PassSpec]:
+    """Parse pipeline text into pass names and options, without looking the names up."""
+    if not isinstance(spec, str):
+        raise TypeError(f"a pipeline spec is a str, got {type(spec).__name__}")
+    return _PipelineParser(spec).parse()
+
+
+def _check_options(cls: type, spec: PassSpec) -> None:
+    try:
+        signature = inspect.signature(cls)
+    except (TypeError, ValueError):  # no introspectable constructor: let the call decide
+        return
+    params = signature.parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return
+    accepted = [p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+    for key in spec.options:
+        if key not in accepted:
+            raise PipelineSpecError(
+                f"pass {spec.name!r} (position {spec.position}) has no option {key!r}; "
+                f"its options: {', '.join(accepted) or 'none'}"
+            )
+
+
+def _construct(spec: PassSpec) -> ir.passes.PassBase:
+    try:
+        cls = get_pass(spec.name)
+    except PipelineSpecError as exc:
+        raise PipelineSpecError(f"position {spec.position}: {exc}") from exc
+    _check_options(cls, spec)
+    try:
+        return cls(**spec.options)
+    except (TypeError, ValueError) as exc:
+        raise PipelineSpecError(
+            f"pass {spec.name!r} (position {spec.position}) rejected its options {spec.options}: {exc}"
+        ) from exc
+
+
+def pipeline(spec: str, **manager_kwargs: Any) -> PassManager:
+    """Build a :class:`PassManager` from text such as ``"a,b(opt=1,name='x'),c"``.
+
+    Pass names are looked up with :func:`ortpass.registry.get_pass`; option values are
+    Python literals (int, float, True/False, None, quoted strings, and [lists] of those)
+    checked against the pass constructor.  ``manager_kwargs`` go to PassManager.
+    Raises PipelineSpecError naming the pass, option or text position that is wrong.
+    """
+    return PassManager([_construct(s) for s in parse_pipeline(spec)], **manager_kwargs)

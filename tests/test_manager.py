@@ -1,0 +1,428 @@
+"""PassManager: ordering from declarations, checks and rollback, node tagging, report,
+dumps and instruments.  The passes are defined here, small and hand-written."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+
+import onnx
+import onnx_ir as ir
+from onnx_ir.passes.common import IdentityEliminationPass
+import pytest
+
+from conftest import make_relu_model
+from ortpass import PassManager, PassReport
+from ortpass.errors import ModelLoadError, PassFailedError, PassOrderingError
+from ortpass.instruments import ProgressInstrument
+from ortpass.manager import ManagerResult, order_passes
+from ortpass.passes.base import CREATED_BY_KEY, OrtFunctionalPass, OrtPass
+
+# -- passes used by these tests -------------------------------------------------------------
+
+
+class InsertIdentityPass(OrtPass):
+    """Puts an Identity between the first node and its first input."""
+
+    name = "insert-identity"
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        first = model.graph.node(0)
+        identity = ir.node("Identity", [first.inputs[0]])
+        model.graph.insert_before(first, identity)
+        first.replace_input_with(0, identity.outputs[0])
+        self.count("identities inserted")
+        return ir.passes.PassResult(model, True)
+
+
+class ReluToMsGeluPass(OrtPass):
+    """Replaces every Relu by com.microsoft::Gelu (a contrib op the onnx checker has no schema for)."""
+
+    name = "relu-to-ms-gelu"
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        relus = [n for n in model.graph if n.op_type == "Relu"]
+        for relu in relus:
+            gelu = ir.node("Gelu", list(relu.inputs), domain="com.microsoft")
+            model.graph.insert_before(relu, gelu)
+            name = relu.outputs[0].name
+            ir.convenience.replace_all_uses_with(relu.outputs[0], gelu.outputs[0], replace_graph_outputs=True)
+            relu.outputs[0].name = None  # hand the (graph output) name over to the new value
+            gelu.outputs[0].name = name
+            gelu.outputs[0].type, gelu.outputs[0].shape = relu.outputs[0].type, relu.outputs[0].shape
+            model.graph.remove(relu, safe=True)
+            self.count("relus replaced")
+        if relus:
+            model.opset_imports["com.microsoft"] = 1
+        return ir.passes.PassResult(model, bool(relus))
+
+
+class NoOpPass(OrtPass):
+    """Changes nothing."""
+
+    name = "no-op"
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        return ir.passes.PassResult(model, False)
+
+
+class RaisesHalfwayPass(OrtPass):
+    """Adds a node, then raises: the manager must not keep the added node."""
+
+    name = "raises-halfway"
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        model.graph.append(ir.node("Neg", [model.graph.inputs[0]]))
+        raise RuntimeError("boom in the middle of a rewrite")
+
+
+class ReadsUndefinedValuePass(OrtPass):
+    """Adds a node that reads a value nothing defines: the onnx checker must refuse it."""
+
+    name = "reads-undefined"
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        model.graph.append(ir.node("Relu", [ir.Value(name="never_defined")]))
+        return ir.passes.PassResult(model, True)
+
+
+class BrokenPostconditionPass(InsertIdentityPass):
+    """Inserts an Identity but its own postcondition says the graph must have none."""
+
+    name = "broken-postcondition"
+
+    def ensures(self, model: ir.Model) -> None:
+        if any(n.op_type == "Identity" for n in model.graph):
+            raise ValueError("an Identity is left in the graph")
+
+
+class SelfTaggingPass(InsertIdentityPass):
+    name = "self-tagging"
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        result = super().call(model)
+        model.graph.node(0).metadata_props[CREATED_BY_KEY] = "rule:my-rule"
+        return result
+
+
+class CloneAndAppendPass(OrtFunctionalPass):
+    """A functional pass: returns a clone with one Neg added on the input."""
+
+    name = "clone-and-append"
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        new = model.clone()
+        new.graph.append(ir.node("Neg", [new.graph.inputs[0]]))
+        new.graph.outputs.append(new.graph.node(len(new.graph) - 1).outputs[0])
+        new.graph.outputs[-1].name = "neg_out"
+        new.graph.outputs[-1].type = ir.TensorType(ir.DataType.FLOAT)
+        new.graph.outputs[-1].shape = ir.Shape([2, 3])
+        return ir.passes.PassResult(new, True)
+
+
+def declared(name: str, phase: str = "any", *, requires=(), provides=(), before=(), after=()) -> OrtPass:
+    """A no-op pass instance with the given declarations."""
+    cls = type(
+        name.title().replace("-", ""),
+        (NoOpPass,),
+        {
+            "name": name,
+            "phase": phase,
+            "requires_properties": frozenset(requires),
+            "provides_properties": frozenset(provides),
+            "runs_before": frozenset(before),
+            "runs_after": frozenset(after),
+        },
+    )
+    return cls()
+
+
+def names(passes) -> list[str]:
+    return [getattr(p, "name", type(p).__name__) for p in passes]
+
+
+def op_types(model: ir.Model) -> list[str]:
+    return [n.op_type for n in model.graph]
+
+
+# -- ordering -----------------------------------------------------------------------------
+
+
+def test_a_fully_declared_set_runs_in_the_same_order_from_every_shuffle():
+    passes = [
+        declared("infer-shapes", "pre-grad", provides={"shapes"}),
+        declared("gather-before-loss", "pre-grad", requires={"shapes"}),
+        declared("build-gradient", provides={"training-graph"}),
+        declared("fix-dropout-seeds", "post-grad", before={"recompute"}),
+        declared("recompute", "post-grad"),
+    ]
+    # The rules above fix one order: shapes before its user (requires), pre-grad before the
+    # gradient build, post-grad after it, and the explicit runs_before between the two post-grad.
+    expected = ["infer-shapes", "gather-before-loss", "build-gradient", "fix-dropout-seeds", "recompute"]
+    for shuffled in itertools.permutations(passes):
+        assert names(order_passes(list(shuffled))) == expected
+
+
+def test_undeclared_passes_keep_the_given_order():
+    plain = IdentityEliminationPass()
+    given = [declared("c"), plain, declared("a"), declared("b")]
+    assert order_passes(given) == given
+
+
+def test_only_the_declared_constraint_moves_a_pass():
+    given = [declared("a"), declared("b"), declared("c", after={"a"}, before={"b"})]
+    assert names(order_passes(given)) == ["a", "c", "b"]
+
+
+def test_runs_after_a_pass_not_in_the_set_is_ignored():
+    given = [declared("b", after={"not-here"}), declared("a", before={"also-not-here"})]
+    assert names(order_passes(given)) == ["b", "a"]
+
+
+def test_a_cycle_is_refused_naming_the_passes_in_it():
+    passes = [
+        declared("bystander"),
+        declared("a", before={"b"}),
+        declared("b", requires={"p"}, provides={"q"}),
+        declared("c", requires={"q"}, provides={"p"}),
+    ]
+    with pytest.raises(PassOrderingError, match="cycle") as info:
+        PassManager(passes)
+    message = str(info.value)
+    assert "'b'" in message and "'c'" in message
+    assert "bystander" not in message  # not part of the cycle
+    assert "requires 'p'" in message or "requires 'q'" in message
+
+
+def test_a_two_pass_cycle_from_ordering_declarations():
+    with pytest.raises(PassOrderingError, match=r"cycle: '?x'? -> '?y'? -> '?x'?|cycle: '?y'? -> '?x'? -> '?y'?"):
+        order_passes([declared("x", before={"y"}), declared("y", before={"x"})])
+
+
+def test_a_requirement_nobody_provides_is_refused_naming_pass_and_property():
+    with pytest.raises(PassOrderingError, match=r"pass 'needs-shapes' requires 'shapes'"):
+        PassManager([declared("needs-shapes", requires={"shapes"}), declared("other")])
+
+
+def test_an_assumed_property_satisfies_a_requirement():
+    manager = PassManager([declared("needs-shapes", requires={"shapes"})], assume=["shapes"])
+    assert names(manager.passes) == ["needs-shapes"]
+
+
+def test_post_grad_needs_a_gradient_build_or_a_training_graph_input():
+    with pytest.raises(PassOrderingError, match="'recompute' requires 'training-graph'"):
+        order_passes([declared("recompute", "post-grad")])
+    assert names(order_passes([declared("recompute", "post-grad")], assume=["training-graph"])) == ["recompute"]
+
+
+def test_pre_grad_on_a_model_assumed_to_be_a_training_graph_is_refused():
+    with pytest.raises(PassOrderingError, match="'gather' is a pre-grad pass"):
+        order_passes([declared("gather", "pre-grad")], assume=["training-graph"])
+
+
+def test_a_pass_class_instead_of_an_instance_is_a_type_error():
+    with pytest.raises(TypeError, match=r"InsertIdentityPass\(\)"):
+        PassManager([InsertIdentityPass])
+
+
+# -- running, tagging, rollback -------------------------------------------------------------
+
+
+def test_the_callers_model_is_untouched_and_new_nodes_are_tagged(relu_model):
+    result = PassManager([InsertIdentityPass()])(relu_model)
+    assert isinstance(result, ManagerResult) and result.modified
+    assert op_types(relu_model) == ["Relu"]  # the caller's model
+    assert op_types(result.model) == ["Identity", "Relu"]
+    identity, relu = result.model.graph
+    assert identity.metadata_props[CREATED_BY_KEY] == "insert-identity"
+    assert CREATED_BY_KEY not in relu.metadata_props  # it existed before the pass
+    onnx.checker.check_model(ir.to_proto(result.model))
+
+
+def test_a_tag_the_pass_set_itself_is_kept(relu_model):
+    result = PassManager([SelfTaggingPass()])(relu_model)
+    assert result.model.graph.node(0).metadata_props[CREATED_BY_KEY] == "rule:my-rule"
+
+
+def test_nodes_of_a_functional_pass_that_rebuilt_the_model_are_matched_by_signature(relu_model):
+    result = PassManager([CloneAndAppendPass()])(relu_model)
+    relu, neg = result.model.graph
+    assert neg.metadata_props[CREATED_BY_KEY] == "clone-and-append"
+    assert CREATED_BY_KEY not in relu.metadata_props
+    record = result.report["clone-and-append"]
+    assert (record.added, record.removed) == ({"Neg": 1}, {})
+
+
+def test_a_nothing_changed_run_still_returns_a_new_model(relu_model):
+    result = PassManager([NoOpPass()])(relu_model)
+    assert not result.modified
+    assert result.model is not relu_model
+    assert op_types(result.model) == ["Relu"]
+
+
+class SnapshotBeforeEachPass:
+    """Instrument keeping the serialized model each pass was given."""
+
+    def __init__(self):
+        self.before: dict[str, bytes] = {}
+
+    def before_pass(self, pass_, model):
+        self.before[pass_.name] = ir.to_proto(model).SerializeToString()
+
+
+@pytest.mark.parametrize(
+    "failing, reason",
+    [
+        (RaisesHalfwayPass(), "RuntimeError: boom in the middle of a rewrite"),
+        (ReadsUndefinedValuePass(), "fails the onnx checker after this pass.*never_defined"),
+        (BrokenPostconditionPass(), "PostconditionError.*an Identity is left in the graph"),
+    ],
+    ids=["raises", "checker-fails", "postcondition-fails"],
+)
+def test_a_failing_pass_gives_back_the_model_before_it(relu_model, failing, reason):
+    snapshots = SnapshotBeforeEachPass()
+    manager = PassManager([InsertIdentityPass(), failing, NoOpPass()], instruments=[snapshots])
+    with pytest.raises(PassFailedError, match=reason) as info:
+        manager(relu_model)
+    error = info.value
+    assert error.pass_name == failing.name
+    assert failing.name in str(error)
+    # The model handed back is the one the failing pass was given: the first pass's
+    # Identity is there, nothing of the failing pass is.
+    assert ir.to_proto(error.model).SerializeToString() == snapshots.before[failing.name]
+    assert op_types(error.model) == ["Identity", "Relu"]
+    assert op_types(relu_model) == ["Relu"]
+    # The report stops at the failure; the pass after it never ran.
+    assert [(r.name, r.failed) for r in error.report.records] == [("insert-identity", False), (failing.name, True)]
+
+
+def test_an_invalid_input_is_refused_before_blaming_a_pass(relu_model):
+    relu_model.graph.append(ir.node("Relu", [ir.Value(name="dangling")]))
+    with pytest.raises(ModelLoadError, match="before any pass ran"):
+        PassManager([NoOpPass()])(relu_model)
+
+
+def test_the_manager_nests_inside_an_onnx_ir_pass_manager(relu_model):
+    outer = ir.passes.PassManager([PassManager([InsertIdentityPass()]), IdentityEliminationPass()])
+    result = outer(relu_model)
+    assert op_types(result.model) == ["Relu"]
+    assert op_types(relu_model) == ["Relu"]
+
+
+# -- report -------------------------------------------------------------------------------
+
+
+def run_three(model: ir.Model, **kwargs) -> ManagerResult:
+    passes = [InsertIdentityPass(), NoOpPass(), ReluToMsGeluPass(), IdentityEliminationPass()]
+    return PassManager(passes, **kwargs)(model)
+
+
+def test_report_counts_nodes_added_and_removed_by_op_type_and_pass_statistics(relu_model):
+    report = run_three(relu_model).report
+    assert [r.name for r in report.records] == [
+        "insert-identity", "no-op", "relu-to-ms-gelu", "IdentityEliminationPass",
+    ]
+    ins, noop, gelu, elim = report.records
+    assert (ins.added, ins.removed, ins.nodes_before, ins.nodes_after) == ({"Identity": 1}, {}, 1, 2)
+    assert ins.stats == {"counts": {"identities inserted": 1}}
+    assert ins.modified and not noop.modified
+    assert (noop.added, noop.removed, noop.stats) == ({}, {}, {})
+    # A contrib op passes the onnx checker (it has no schema for com.microsoft).
+    assert (gelu.added, gelu.removed) == ({"com.microsoft::Gelu": 1}, {"Relu": 1})
+    assert gelu.stats == {"counts": {"relus replaced": 1}}
+    # A plain onnx_ir pass: no statistics of its own, but the diff is still measured.
+    assert (elim.added, elim.removed, elim.stats) == ({}, {"Identity": 1}, {})
+    assert (elim.nodes_before, elim.nodes_after) == (2, 1)
+    assert all(r.seconds >= 0 and r.check_seconds >= 0 for r in report.records)
+    assert report.modified
+
+
+def test_report_json_round_trip_and_save(relu_model, tmp_path):
+    report = run_three(relu_model).report
+    assert PassReport.from_json(report.to_json()) == report
+    path = tmp_path / "sub" / "report.json"
+    report.save(path)
+    data = json.loads(path.read_text())
+    assert data == report.to_dict()
+    assert data["passes"][0]["added"] == {"Identity": 1}
+
+
+def test_report_table_has_a_row_per_pass_with_its_changes(relu_model):
+    table = run_three(relu_model).report.to_table()
+    lines = table.splitlines()
+    assert lines[0].split()[:3] == ["#", "pass", "ms"]
+    rows = {line.split()[1]: line for line in lines[2:-1]}
+    assert list(rows) == ["insert-identity", "no-op", "relu-to-ms-gelu", "IdentityEliminationPass"]
+    assert "Identity+1" in rows["insert-identity"] and "identities inserted=1" in rows["insert-identity"]
+    assert "com.microsoft::Gelu+1" in rows["relu-to-ms-gelu"] and "Relu-1" in rows["relu-to-ms-gelu"]
+    assert " no " in rows["no-op"]
+    assert lines[-1].startswith("total: 4 passes") and lines[-1].endswith("nodes 1 -> 1")
+    # fixed width: every row's "changed" column starts at the same offset
+    column = lines[0].index("changed")
+    assert {line[column:].split()[0] for line in lines[2:-1]} == {"yes", "no"}
+
+
+def test_a_failed_pass_shows_in_the_table(relu_model):
+    with pytest.raises(PassFailedError) as info:
+        PassManager([RaisesHalfwayPass()])(relu_model)
+    assert "FAILED" in info.value.report.to_table() and "boom" in info.value.report.to_table()
+
+
+# -- dump_dir and instruments -----------------------------------------------------------------
+
+
+def test_dump_dir_holds_one_file_per_changing_pass(relu_model, tmp_path):
+    result = run_three(relu_model, dump_dir=tmp_path / "dumps")
+    files = sorted(p.name for p in (tmp_path / "dumps").iterdir())
+    assert files == ["01_insert-identity.onnx", "03_relu-to-ms-gelu.onnx", "04_IdentityEliminationPass.onnx"]
+    third = onnx.load(str(tmp_path / "dumps" / "03_relu-to-ms-gelu.onnx"))
+    assert [n.op_type for n in third.graph.node] == ["Identity", "Gelu"]
+    assert result.report["no-op"].dump_path is None
+
+
+def test_dump_dir_keeps_the_input_of_a_failing_pass(relu_model, tmp_path):
+    with pytest.raises(PassFailedError):
+        PassManager([InsertIdentityPass(), RaisesHalfwayPass()], dump_dir=tmp_path)(relu_model)
+    kept = onnx.load(str(tmp_path / "02_raises-halfway.failed-input.onnx"))
+    assert [n.op_type for n in kept.graph.node] == ["Identity", "Relu"]
+
+
+class CallLog:
+    def __init__(self):
+        self.calls = []
+
+    def run_begin(self, passes, model):
+        self.calls.append(("run_begin", len(passes)))
+
+    def before_pass(self, pass_, model):
+        self.calls.append(("before", pass_.name, len(model.graph)))
+
+    def after_pass(self, pass_, model, record):
+        self.calls.append(("after", record.name, len(model.graph), record.failed))
+
+    def run_end(self, model, report):
+        self.calls.append(("run_end", len(report.records)))
+
+
+def test_instruments_see_every_pass_and_the_rolled_back_model(relu_model):
+    log = CallLog()
+    with pytest.raises(PassFailedError):
+        PassManager([InsertIdentityPass(), RaisesHalfwayPass()], instruments=[log, object()])(relu_model)
+    assert log.calls == [
+        ("run_begin", 2),
+        ("before", "insert-identity", 1),
+        ("after", "insert-identity", 2, False),
+        ("before", "raises-halfway", 2),
+        ("after", "raises-halfway", 2, True),  # the model before the failing pass
+        ("run_end", 1 + 1),
+    ]
+
+
+def test_progress_instrument_logs_position_and_outcome(relu_model, caplog):
+    caplog.set_level(logging.INFO, logger="ortpass.instruments")
+    PassManager([InsertIdentityPass(), NoOpPass()], instruments=[ProgressInstrument()])(relu_model)
+    messages = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert len(messages) == 2
+    assert messages[0].startswith("[1/2] insert-identity: changed, 1 -> 2 nodes (")
+    assert messages[1].startswith("[2/2] no-op: unchanged (")
