@@ -1,0 +1,387 @@
+"""The torch bridge: run ``com.microsoft::PythonOp`` / ``PythonOpGrad`` on ORT 1.19.2.
+
+ORT's PythonOp kernels call two *runners* through C function pointers registered with
+``register_forward_runner`` / ``register_backward_runner``.  ORT's own runners live in a
+torch C++ extension that no longer compiles against torch 2.15; ours are plain Python,
+exposed to ORT as C callbacks through ``ctypes``.  What ORT 1.19.2 calls (from
+``orttraining/core/framework/torch/torch_proxy.cc`` and the PythonOp kernel base):
+
+    std::vector<PyObject*> runner(const char* func_name, void* callback,
+                                  const std::vector<int64_t>& requires_grads,
+                                  const std::vector<int64_t>& tensor_flags,
+                                  bool is_training_mode,
+                                  const std::vector<int64_t>& inplace_map,
+                                  const char* invoke_id, bool safe_run_mode,
+                                  const std::vector<PyObject*>& args);
+
+- forward: ``args`` has one entry per Function argument: a DLPack capsule where
+  ``tensor_flags`` is 1, else the constant rebuilt from the node's typed attributes.  The
+  runner returns ``[ctx, capsule per output]``; ORT takes one reference to ``ctx``, keeps it
+  under an int64 handle (the PythonOp's output 0) and requires, in safe-run mode, that
+  someone else holds another reference (``refcnt >= 2``) and that every returned capsule
+  has a reference count of exactly 1.  In inference mode ``ctx`` must be ``None``.
+- backward: ``args`` is ``[ctx, grad capsule or None per forward output]``; the runner
+  returns one entry per forward argument (a capsule for a tensor argument that needs a
+  gradient, ``None`` elsewhere).  ORT drops its ``ctx`` reference afterwards.
+- ``callback`` is ``Function.apply`` from ORT's pool (``register_torch_autograd_function``),
+  which must hold every ``func_name`` before a session runs.  Our runners dispatch on
+  ``func_name`` through ortpass's own registry instead, so only Functions registered
+  here (:func:`register_function`) or exported in this process run.
+
+A std::vector returned by value travels through a hidden pointer (x86-64 SysV / Itanium
+C++ ABI), so the C signature of our callbacks starts with that pointer, and the result
+vector is built in place: three pointers (begin, end, end of storage) to memory from the
+process's ``operator new``, which the C++ caller frees with ``operator delete``.
+
+Forward runs ``Function.apply`` on leaf copies of the inputs with autograd enabled and
+keeps the outputs and leaves in a table keyed by a handle (the ``ctx`` object is that
+table entry); backward calls ``torch.autograd.grad`` on them, which runs the Function's
+own ``backward`` exactly as torch does (missing output gradients become zeros), and frees
+the entry.  Inputs and outputs are copied between ORT and torch in training mode: ORT's
+memory planner may reuse a buffer after what it sees as the last use, while the Function's
+``ctx`` may have saved that very tensor for backward.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import dataclasses
+import itertools
+import logging
+import threading
+from typing import Any, Iterable
+
+import onnx_ir as ir
+import torch
+
+from ortpass.errors import UnregisteredFunctionError
+
+__all__ = [
+    "clear_contexts",
+    "last_runner_error",
+    "live_contexts",
+    "prepare",
+    "pythonop_func_names",
+    "register_function",
+    "registered_functions",
+    "unregister_function",
+]
+
+logger = logging.getLogger(__name__)
+
+_PYTHONOP_TYPES = ("PythonOp", "PythonOpGrad")
+_MS_DOMAIN = "com.microsoft"
+
+_lock = threading.RLock()
+_functions: dict[str, type] = {}
+_given_to_ort: set[str] = set()
+_contexts: dict[int, "_CallRecord"] = {}
+_handles = itertools.count(1)
+_runners_installed = False
+_last_error: BaseException | None = None
+
+
+# -- registry ---------------------------------------------------------------------------------
+
+
+def register_function(function: type) -> type:
+    """Allow the bridge to run ``function`` (a torch.autograd.Function) for PythonOps naming it.
+
+    Usable as a class decorator.  The key is ``module.QualName``, the PythonOp ``func_name``.
+    """
+    from ortpass.export.pythonop import qualified_name
+
+    name = qualified_name(function)
+    with _lock:
+        existing = _functions.get(name)
+        if existing is not None and existing is not function:
+            logger.warning("func_name %s now runs %r instead of %r", name, function, existing)
+        _functions[name] = function
+    return function
+
+
+def unregister_function(function: type | str) -> None:
+    """Forget a registration made with :func:`register_function` (no error if absent)."""
+    from ortpass.export.pythonop import qualified_name
+
+    with _lock:
+        _functions.pop(qualified_name(function), None)
+
+
+def registered_functions() -> dict[str, type]:
+    """Functions the bridge may run: explicit registrations over those exported here."""
+    from ortpass.export.pythonop import exported_functions
+
+    return {**exported_functions(), **_functions}
+
+
+def pythonop_func_names(model: ir.Model) -> dict[str, str]:
+    """``func_name -> name of the first node calling it`` for every PythonOp(Grad) in ``model``."""
+    found: dict[str, str] = {}
+    for node in _all_nodes(model):
+        if node.domain != _MS_DOMAIN or node.op_type not in _PYTHONOP_TYPES:
+            continue
+        attr = node.attributes.get("func_name")
+        func_name = attr.as_string() if attr is not None else ""
+        found.setdefault(func_name, node.name or f"<unnamed {node.op_type}>")
+    return found
+
+
+def _all_nodes(model: ir.Model) -> Iterable[ir.Node]:
+    yield from model.graph.all_nodes()
+    for function in model.functions.values():
+        yield from function.all_nodes()
+
+
+# -- preparing ORT ----------------------------------------------------------------------------
+
+
+def prepare(model: ir.Model) -> None:
+    """Check every PythonOp's Function is registered, then install the runners with ORT.
+
+    Raises UnregisteredFunctionError naming the func_name and node for a Function nobody
+    registered; nothing the model names is imported.  Idempotent.
+    """
+    names = pythonop_func_names(model)
+    if not names:
+        return
+    known = registered_functions()
+    for func_name, node_name in names.items():
+        if func_name not in known:
+            raise UnregisteredFunctionError(
+                f"node {node_name!r} calls the autograd Function {func_name!r}, which is not registered "
+                "in this process: call ortpass.runtime.bridge.register_function(<the Function class>) "
+                "(or ortpass.export.register_function) before building or running the model"
+            )
+    from onnxruntime.capi import _pybind_state as C
+
+    with _lock:
+        _install_runners(C)
+        for func_name in names:
+            if func_name not in _given_to_ort:
+                C.register_torch_autograd_function(func_name, _ort_pool_entry(known[func_name]))
+                _given_to_ort.add(func_name)
+    logger.debug("bridge ready for %s", sorted(names))
+
+
+def _ort_pool_entry(function: type) -> type:
+    # ORT's pool accepts only classes whose *direct* base is torch.autograd.Function; our
+    # runners ignore the callback it hands back, so a stand-in is fine for deeper classes.
+    if torch.autograd.Function in function.__bases__:
+        return function
+    return type(function.__name__, (torch.autograd.Function,), {"__module__": function.__module__})
+
+
+def _install_runners(C) -> None:
+    global _runners_installed
+    if _runners_installed:
+        return
+    C.register_forward_runner(ctypes.cast(_FORWARD_CALLBACK, ctypes.c_void_p).value)
+    C.register_backward_runner(ctypes.cast(_BACKWARD_CALLBACK, ctypes.c_void_p).value)
+    # ORT's pool holds Python objects in C++ statics; release them before the interpreter
+    # goes away (ORT's own bridge does the same), or the process may crash at exit.
+    atexit.register(C.unregister_python_functions)
+    _runners_installed = True
+
+
+# -- the context table ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(eq=False)
+class _CallRecord:
+    """What a forward call keeps for its backward; the object ORT holds as ``ctx``."""
+
+    handle: int
+    func_name: str
+    argument_count: int
+    outputs: tuple[Any, ...]
+    leaves: dict[int, torch.Tensor]  # argument position -> leaf tensor that needs a gradient
+
+
+def live_contexts() -> int:
+    """How many forward calls are waiting for their backward."""
+    with _lock:
+        return len(_contexts)
+
+
+def clear_contexts() -> int:
+    """Drop every pending forward context (e.g. after forward-only runs of a training graph)."""
+    with _lock:
+        count = len(_contexts)
+        _contexts.clear()
+    return count
+
+
+def last_runner_error() -> BaseException | None:
+    """The exception the latest failing runner raised (ORT reports only a generic error)."""
+    return _last_error
+
+
+# -- the runners (Python side) ----------------------------------------------------------------
+
+
+def _lookup(func_name: str) -> type:
+    function = registered_functions().get(func_name)
+    if function is None:
+        raise UnregisteredFunctionError(f"autograd Function {func_name!r} is not registered with the bridge")
+    return function
+
+
+def _run_forward(func_name: str, requires_grads, tensor_flags, training: bool, args: list) -> list:
+    function = _lookup(func_name)
+    call_args: list[Any] = []
+    leaves: dict[int, torch.Tensor] = {}
+    for position, (is_tensor, arg) in enumerate(zip(tensor_flags, args)):
+        if not is_tensor or arg is None:
+            call_args.append(arg)
+            continue
+        tensor = torch.from_dlpack(arg)
+        if training:
+            tensor = tensor.detach().clone().requires_grad_(bool(requires_grads[position]))
+            if tensor.requires_grad:
+                leaves[position] = tensor
+        call_args.append(tensor)
+    with torch.set_grad_enabled(training):
+        outputs = function.apply(*call_args)
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    inputs = [a for a in call_args if isinstance(a, torch.Tensor)]
+    returned = [_to_ort(o, copy=training, inputs=inputs) for o in outputs]
+    if not training:
+        return [None, *returned]
+    record = _CallRecord(next(_handles), func_name, len(args), outputs, leaves)
+    with _lock:
+        _contexts[record.handle] = record
+    return [record, *returned]
+
+
+def _run_backward(args: list) -> list:
+    record, *grads = args
+    if not isinstance(record, _CallRecord):
+        raise TypeError(f"PythonOpGrad got a context of type {type(record).__name__}, not a bridge context")
+    with _lock:
+        _contexts.pop(record.handle, None)
+    differentiable = [(o, g) for o, g in zip(record.outputs, grads) if isinstance(o, torch.Tensor) and o.requires_grad]
+    positions = list(record.leaves)
+    results: list[Any] = [None] * record.argument_count
+    if differentiable and positions:
+        outputs = [o for o, _ in differentiable]
+        # torch materializes a missing output gradient as zeros before calling backward.
+        grad_outputs = [torch.zeros_like(o) if g is None else torch.from_dlpack(g) for o, g in differentiable]
+        input_grads = torch.autograd.grad(
+            outputs, [record.leaves[p] for p in positions], grad_outputs, allow_unused=True
+        )
+        for position, grad in zip(positions, input_grads):
+            grad = torch.zeros_like(record.leaves[position]) if grad is None else grad
+            results[position] = _to_ort(grad, copy=False, inputs=grad_outputs)
+    return results
+
+
+def _to_ort(tensor: Any, *, copy: bool, inputs: list[torch.Tensor]) -> Any:
+    if tensor is None:
+        return None
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"a PythonOp output must be a tensor, got {type(tensor).__name__}")
+    tensor = tensor.detach()
+    # ORT may reuse an input's buffer after this node; never hand it one of its own buffers
+    # back under a new name, and never one torch still holds for backward (copy=True).
+    if copy or not tensor.is_contiguous() or any(_same_storage(tensor, t) for t in inputs):
+        tensor = tensor.clone(memory_format=torch.contiguous_format)
+    return torch.utils.dlpack.to_dlpack(tensor)
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+# -- the C side: callbacks ORT calls through a function pointer ----------------------------------
+
+
+class _StdVector(ctypes.Structure):
+    # libstdc++'s std::vector<T>: pointers to the first element, one past the last element,
+    # and one past the end of the storage.
+    _fields_ = [("begin", ctypes.c_void_p), ("end", ctypes.c_void_p), ("end_of_storage", ctypes.c_void_p)]
+
+
+def _read_int64s(address: int) -> list[int]:
+    vector = _StdVector.from_address(address)
+    if not vector.begin:
+        return []
+    count = (vector.end - vector.begin) // ctypes.sizeof(ctypes.c_int64)
+    return list((ctypes.c_int64 * count).from_address(vector.begin))
+
+
+def _read_objects(address: int) -> list[Any]:
+    vector = _StdVector.from_address(address)
+    if not vector.begin:
+        return []
+    count = (vector.end - vector.begin) // ctypes.sizeof(ctypes.c_void_p)
+    pointers = (ctypes.c_void_p * count).from_address(vector.begin)
+    # cast to py_object gives a new reference; ORT keeps its own.
+    return [ctypes.cast(p, ctypes.py_object).value if p else None for p in pointers]
+
+
+_libc = ctypes.CDLL(None)
+_operator_new = _libc._Znwm  # operator new(std::size_t), what std::allocator frees with delete
+_operator_new.restype = ctypes.c_void_p
+_operator_new.argtypes = [ctypes.c_size_t]
+_incref = ctypes.pythonapi.Py_IncRef
+_incref.argtypes = [ctypes.py_object]
+_incref.restype = None
+
+
+def _write_objects(result_address: int, objects: list[Any]) -> None:
+    """Construct the returned std::vector<PyObject*> in place, one new reference per item."""
+    size = len(objects) * ctypes.sizeof(ctypes.c_void_p)
+    storage = _operator_new(size) if objects else None
+    if objects:
+        slots = (ctypes.c_void_p * len(objects)).from_address(storage)
+        for index, obj in enumerate(objects):
+            _incref(obj)
+            slots[index] = id(obj)
+    vector = _StdVector.from_address(result_address)
+    vector.begin = storage
+    vector.end = storage + size if storage else None
+    vector.end_of_storage = vector.end
+
+
+_RUNNER = ctypes.CFUNCTYPE(
+    ctypes.c_void_p,  # the hidden result pointer, returned as the ABI requires
+    ctypes.c_void_p,  # hidden: where to construct the returned std::vector<PyObject*>
+    ctypes.c_char_p,  # func_name
+    ctypes.c_void_p,  # callback (Function.apply / backward from ORT's pool; unused)
+    ctypes.c_void_p,  # const std::vector<int64_t>& requires_grads
+    ctypes.c_void_p,  # const std::vector<int64_t>& tensor_flags
+    ctypes.c_bool,  # is_training_mode
+    ctypes.c_void_p,  # const std::vector<int64_t>& inplace_map
+    ctypes.c_char_p,  # invoke_id
+    ctypes.c_bool,  # safe_run_mode
+    ctypes.c_void_p,  # const std::vector<PyObject*>& args
+)
+
+
+def _runner(kind: str):
+    def callback(result, func_name, _callback, requires_grads, tensor_flags, training, _inplace, _invoke_id, _safe, args):
+        global _last_error
+        name = func_name.decode()
+        try:
+            arguments = _read_objects(args)
+            if kind == "forward":
+                objects = _run_forward(name, _read_int64s(requires_grads), _read_int64s(tensor_flags), training, arguments)
+            else:
+                objects = _run_backward(arguments)
+            del arguments
+        except BaseException as exc:  # noqa: BLE001 - an exception must not cross into C++
+            _last_error = exc
+            logger.error("PythonOp %s runner failed for %s: %s: %s", kind, name, type(exc).__name__, exc, exc_info=True)
+            # An empty result makes ORT fail the run with an output-count error.
+            objects = []
+        _write_objects(result, objects)
+        return result
+
+    return _RUNNER(callback)
+
+
+# Module-level: the callbacks must live as long as ORT may call them.
+_FORWARD_CALLBACK = _runner("forward")
+_BACKWARD_CALLBACK = _runner("backward")
