@@ -131,6 +131,10 @@ def test_session_returns_masks_and_validates_batch():
     step = session.run({"x": args[0], "target": args[1].numpy()})
     assert set(step.extras) == set(masks)
     assert all(m.dtype == np.bool_ for m in step.extras.values())
+    batch = {"x": args[0], "target": args[1]}
+    first, second = session.run(batch, seed=3), session.run(batch, seed=3)
+    assert all(np.array_equal(first.extras[m], second.extras[m]) for m in masks)
+    assert first.loss == second.loss
     with pytest.raises(OrtpassError, match="missing graph inputs \\['target'\\]"):
         session.run({"x": args[0]})
     with pytest.raises(OrtpassError, match="does not take: \\['bogus'\\]"):

@@ -106,8 +106,14 @@ class TrainingSession:
         params = set(self.info.params)
         return [name for name in self.input_names if name not in params]
 
-    def run(self, batch: Mapping[str, Any], params: Mapping[str, Any] | None = None) -> StepResult:
-        """Run forward and backward on ``batch``; ``params`` overrides the model's weights."""
+    def run(
+        self, batch: Mapping[str, Any], params: Mapping[str, Any] | None = None, *, seed: int | None = None
+    ) -> StepResult:
+        """Run forward and backward on ``batch``; ``params`` overrides the model's weights.
+
+        ``seed`` reseeds ORT's global random generator first, so Dropout nodes without a
+        ``seed`` attribute draw the same masks every time (golden runs need this).
+        """
         feeds = {name: _to_numpy(value, name) for name, value in self._default_params.items()}
         for name, value in (params or {}).items():
             if name not in self._default_params:
@@ -121,6 +127,10 @@ class TrainingSession:
         if missing:
             raise OrtpassError(f"batch is missing graph inputs {missing}")
         feeds.update({name: _to_numpy(value, name) for name, value in batch.items()})
+        if seed is not None:
+            import onnxruntime as ort
+
+            ort.set_seed(seed)
         values = self._session.run(self._fetch, feeds)
         n_grads = len(self.info.gradients)
         return StepResult(
