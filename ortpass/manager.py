@@ -643,6 +643,7 @@ class _PipelineParser:
 
     def parse_options(self, pass_name: str, options: dict[str, Any]) -> None:
         while True:
+            self.skip_space()
             key_pos = self.pos
             key = self.match(_OPTION_NAME, f"an option name in pass {pass_name!r}")
             if key in options:
