@@ -3,5 +3,6 @@
 from ortpass.passes.base import CREATED_BY_KEY, OrtFunctionalPass, OrtPass
 from ortpass.passes.build_training_graph import BuildTrainingGraphPass
 from ortpass.passes.insert_gather_before_sce_loss import InsertGatherBeforeSceLossPass
+from ortpass.passes.pythonop_shape_inference import PythonOpShapeInferencePass
 
-__all__ = ["BuildTrainingGraphPass", "InsertGatherBeforeSceLossPass", "CREATED_BY_KEY", "OrtFunctionalPass", "OrtPass"]
+__all__ = ["BuildTrainingGraphPass", "InsertGatherBeforeSceLossPass", "PythonOpShapeInferencePass", "CREATED_BY_KEY", "OrtFunctionalPass", "OrtPass"]

@@ -1,0 +1,75 @@
+"""Per-Function shape inferers for ``com.microsoft::PythonOp`` outputs.
+
+ONNX knows nothing about a PythonOp, so by default its outputs get only their rank (from
+``output_tensor_ranks``) with fresh dims.  A function registered here computes the exact
+output shapes instead -- e.g. a pass-through Function keeps ``[batch, seq, hidden]`` -- so
+dims stay connected across the PythonOp for later passes and analyses (ORT PR #17093).
+
+An inferer is called as ``fn(node, input_shapes, input_dtypes)`` with one entry per tensor
+input of the node (``onnx_ir.Shape``, possibly holding symbolic dims, or None when unknown;
+``onnx_ir.DataType`` or None) and returns ``(output_shapes, output_dtypes)`` with one entry
+per *tensor output* (the ctx output 0 excluded).  A shape may be an ``onnx_ir.Shape`` or a
+sequence of ints, dim names and None.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable, Sequence
+
+import onnx_ir as ir
+
+__all__ = ["ShapeInferer", "get_shape_inferer", "register_shape_inferer", "unregister_shape_inferer"]
+
+logger = logging.getLogger(__name__)
+
+ShapeInferer = Callable[
+    [ir.Node, Sequence["ir.Shape | None"], Sequence["ir.DataType | None"]],
+    "tuple[Sequence[ir.Shape | Sequence[int | str | None] | None], Sequence[ir.DataType | int | None]]",
+]
+
+_inferers: dict[str, ShapeInferer] = {}
+_lock = threading.Lock()
+
+
+def _func_name(function: type | str) -> str:
+    # Same key as the PythonOp func_name attribute; no torch import needed for a class.
+    if isinstance(function, str):
+        if not function:
+            raise ValueError("a func_name cannot be empty")
+        return function
+    if isinstance(function, type):
+        return f"{function.__module__}.{function.__qualname__}"
+    raise TypeError(f"expected a Function class or its qualified name, got {function!r}")
+
+
+def register_shape_inferer(function: type | str, *, replace: bool = False) -> Callable[[ShapeInferer], ShapeInferer]:
+    """Decorator registering the shape inferer for PythonOps whose func_name is ``function``.
+
+    ``function`` is the Function class or its qualified name (``module.QualName``).
+    """
+    name = _func_name(function)
+
+    def decorator(inferer: ShapeInferer) -> ShapeInferer:
+        if not callable(inferer):
+            raise TypeError(f"shape inferer for {name} must be callable, got {inferer!r}")
+        with _lock:
+            existing = _inferers.get(name)
+            if existing is not None and existing is not inferer and not replace:
+                raise ValueError(f"a shape inferer is already registered for {name}: {existing!r}")
+            _inferers[name] = inferer
+        return inferer
+
+    return decorator
+
+
+def unregister_shape_inferer(function: type | str) -> None:
+    """Remove the inferer registered for ``function`` (no error if there is none)."""
+    with _lock:
+        _inferers.pop(_func_name(function), None)
+
+
+def get_shape_inferer(function: type | str) -> ShapeInferer | None:
+    """The inferer registered for ``function``, or None."""
+    return _inferers.get(_func_name(function))
