@@ -1,0 +1,167 @@
+"""Symbolic tensor sizes and buffer aliasing, for memory analyses of training graphs.
+
+Sizes are sympy expressions over the graph's dim params (``batch``, ``seq``...), so a
+report can say how a saving scales, and evaluate it at concrete dims.  A dim param that
+spells an expression over other dims (torch writes ``s0*s1``) becomes that expression; an
+unnamed dim becomes a symbol of its own (``unk__<value>_<axis>``) that no dims map binds,
+so sizes that depend on it stay unevaluated rather than guessed.
+
+Aliasing: some ops return a view of their input (ORT's CPU kernels reuse the input buffer
+for Reshape, Squeeze, Unsqueeze, Flatten, Identity).  Freeing such an output frees nothing
+while its input lives, so memory is counted on the *buffer*: the value at the root of a
+chain of aliasing ops.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import re
+from typing import Iterable, Mapping
+
+import onnx_ir as ir
+import sympy
+from sympy.parsing.sympy_parser import parse_expr
+
+__all__ = [
+    "ALIAS_OPS",
+    "BufferMap",
+    "dim_symbol",
+    "dim_expr",
+    "element_bytes",
+    "symbolic_numel",
+    "symbolic_nbytes",
+    "static_numel",
+    "evaluate",
+    "graph_dim_params",
+    "is_alias_node",
+]
+
+logger = logging.getLogger(__name__)
+
+# (domain, op type): ops whose output 0 is a view of input 0 on ORT.
+ALIAS_OPS: frozenset[tuple[str, str]] = frozenset(
+    {("", "Reshape"), ("", "Squeeze"), ("", "Unsqueeze"), ("", "Flatten"), ("", "Identity"), ("com.microsoft", "ExpandDims")}
+)
+
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_EXPRESSION = re.compile(r"^[A-Za-z0-9_+\-*/() ]+$")
+
+
+@functools.lru_cache(maxsize=None)
+def dim_symbol(name: str) -> sympy.Symbol:
+    """The sympy symbol of dim param ``name`` (positive integer: sizes simplify better)."""
+    return sympy.Symbol(name, positive=True, integer=True)
+
+
+@functools.lru_cache(maxsize=4096)
+def _dim_param_expr(text: str) -> sympy.Expr:
+    if _IDENTIFIER.match(text):
+        return dim_symbol(text)
+    if _EXPRESSION.match(text):
+        names = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", text))
+        try:
+            expr = parse_expr(text, local_dict={n: dim_symbol(n) for n in names}, evaluate=True)
+        except (SyntaxError, TypeError, ValueError, sympy.SympifyError):
+            expr = None
+        if isinstance(expr, sympy.Expr):
+            return expr
+    return dim_symbol(text)
+
+
+def dim_expr(dim: int | ir.SymbolicDim, *, unknown_name: str) -> sympy.Expr:
+    """One dimension as a sympy expression; ``unknown_name`` names an anonymous dim."""
+    if isinstance(dim, int):
+        return sympy.Integer(dim)
+    if dim.value is None:
+        return dim_symbol(unknown_name)
+    return _dim_param_expr(str(dim.value))
+
+
+def element_bytes(dtype: ir.DataType) -> sympy.Rational:
+    """Bytes per element (a fraction for 4-bit types)."""
+    return sympy.Rational(dtype.bitwidth, 8)
+
+
+def symbolic_numel(value: ir.Value) -> sympy.Expr | None:
+    """Element count of ``value`` as an expression, or None when its rank is unknown."""
+    if value.shape is None:
+        return None
+    name = value.name or "value"
+    return sympy.Mul(*(dim_expr(d, unknown_name=f"unk__{name}_{i}") for i, d in enumerate(value.shape)))
+
+
+def symbolic_nbytes(value: ir.Value) -> sympy.Expr | None:
+    """Bytes held by ``value`` as an expression, or None when its dtype or rank is unknown."""
+    numel = symbolic_numel(value)
+    dtype = value.dtype
+    if numel is None or dtype is None or dtype == ir.DataType.UNDEFINED:
+        return None
+    if not isinstance(value.type, ir.TensorType):
+        return None
+    return numel * element_bytes(dtype)
+
+
+def static_numel(value: ir.Value) -> int | None:
+    """Element count when every dim is a number, else None."""
+    if value.shape is None or not all(isinstance(d, int) for d in value.shape):
+        return None
+    return math.prod(value.shape)  # type: ignore[arg-type]
+
+
+def evaluate(expr: sympy.Expr | None, dims: Mapping[str, int] | None) -> int | None:
+    """``expr`` at ``dims`` (dim param name -> int), or None if a symbol stays unbound."""
+    if expr is None:
+        return None
+    bindings = {s: int(dims[s.name]) for s in expr.free_symbols if dims and s.name in dims}
+    result = expr.xreplace(bindings) if bindings else expr
+    if result.free_symbols:
+        return None
+    return int(sympy.ceiling(result))
+
+
+def graph_dim_params(values: Iterable[ir.Value]) -> set[str]:
+    """Names of the symbols the sizes of ``values`` depend on."""
+    names: set[str] = set()
+    for value in values:
+        expr = symbolic_nbytes(value)
+        if expr is not None:
+            names.update(s.name for s in expr.free_symbols)
+    return names
+
+
+def is_alias_node(node: ir.Node) -> bool:
+    """True when ``node``'s output 0 is a view of its input 0."""
+    domain = "" if node.domain in ("", "ai.onnx") else node.domain
+    return (domain, node.op_type) in ALIAS_OPS and bool(node.inputs) and node.inputs[0] is not None
+
+
+class BufferMap:
+    """Maps values to the buffer that backs them (the root of their alias chain).
+
+    Built lazily and memoized, so asking for every stashed value of a large graph walks
+    each alias chain once.
+    """
+
+    def __init__(self) -> None:
+        self._root: dict[ir.Value, ir.Value] = {}
+
+    def root(self, value: ir.Value) -> ir.Value:
+        chain = []
+        current = value
+        while current not in self._root:
+            producer = current.producer()
+            if producer is None or not is_alias_node(producer) or current.index() != 0:
+                self._root[current] = current
+                break
+            chain.append(current)
+            current = producer.inputs[0]  # type: ignore[assignment]
+        root = self._root[current]
+        for v in chain:
+            self._root[v] = root
+        return root
+
+    def is_view(self, value: ir.Value) -> bool:
+        """True when ``value`` is a view (its buffer is another value's)."""
+        return self.root(value) is not value

@@ -1,0 +1,247 @@
+"""Which ops a recompute subgraph may contain, and which of their inputs it does not follow.
+
+The table is keyed, as in ORT's memory optimizer, by (domain, op type, since-version of the
+op's schema): an op whose schema changed in a newer opset is not recomputable there until
+someone checks that the new version is still deterministic and cheap.  Each entry has a
+probe level and the input indices that the upward search does *not* follow (shape-like or
+scalar inputs such as Dropout's ratio or Expand's shape: the clone reads the forward value).
+
+Levels (ORT's ``ProbeLevel``): 0 disabled, 1 basic (element-wise, data movement, Dropout,
+Gelu variants), 2 advanced (also MatMul, Softmax, LayerNorm variants: costly to redo).
+
+Differences from ORT 1.19.2's table, on purpose:
+
+- opset 21 versions of Cast, Reshape, Squeeze, Unsqueeze, Transpose and ConstantOfShape are
+  accepted: opset 21 only added 4-bit element types to them;
+- Flatten and Identity are accepted (views; ORT's CPU kernels alias their input);
+- ``com.microsoft::PythonOp`` is recomputable only when its ``func_name`` is registered with
+  :func:`register_recomputable_function` (FlashAttention-like functions are registered
+  here; ORT hard-codes the same list).  Its clone must replay the forward's randomness,
+  which the recompute pass arranges.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from typing import Iterable, Mapping
+
+import onnx
+import onnx_ir as ir
+
+__all__ = [
+    "ProbeLevel",
+    "RecomputableOp",
+    "MS_DOMAIN",
+    "lookup_recomputable",
+    "is_recomputable",
+    "recomputable_ops",
+    "register_recomputable_op",
+    "register_recomputable_function",
+    "unregister_recomputable_function",
+    "recomputable_functions",
+    "node_opset",
+    "since_version",
+]
+
+logger = logging.getLogger(__name__)
+
+MS_DOMAIN = "com.microsoft"
+
+
+class ProbeLevel:
+    """ORT's probe levels (the first field of ORT's probe config ``<level>[:<layer>]``)."""
+
+    DISABLED = 0
+    BASIC = 1
+    ADVANCED = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class RecomputableOp:
+    """One allow-table entry: ``op_type`` in ``domain`` at the listed schema versions."""
+
+    domain: str
+    op_type: str
+    since_versions: frozenset[int]
+    level: int = ProbeLevel.BASIC
+    ignored_inputs: frozenset[int] = frozenset()
+
+
+_TABLE: dict[tuple[str, str], RecomputableOp] = {}
+
+# func_name values of PythonOps that may be recomputed.  FlashAttention's functions are
+# deterministic given the RNG state, which the recompute pass saves and replays.
+_RECOMPUTABLE_FUNCTIONS: set[str] = {
+    "flash_attn.flash_attn_interface.FlashAttnFunc",
+    "flash_attn.flash_attn_interface.FlashAttnVarlenFunc",
+    "flash_attn.bert_padding.IndexFirstAxis",
+    "flash_attn.bert_padding.IndexPutFirstAxis",
+}
+
+
+def _normalize_domain(domain: str) -> str:
+    return "" if domain in ("", "ai.onnx") else domain
+
+
+def register_recomputable_op(
+    op_type: str,
+    since_versions: Iterable[int],
+    *,
+    domain: str = "",
+    level: int = ProbeLevel.BASIC,
+    ignored_inputs: Iterable[int] = (),
+) -> RecomputableOp:
+    """Add (or replace) an allow-table entry; returns it."""
+    if level not in (ProbeLevel.BASIC, ProbeLevel.ADVANCED):
+        raise ValueError(f"level must be {ProbeLevel.BASIC} (basic) or {ProbeLevel.ADVANCED} (advanced), not {level}")
+    entry = RecomputableOp(
+        _normalize_domain(domain), op_type, frozenset(since_versions), level, frozenset(ignored_inputs)
+    )
+    _TABLE[(entry.domain, op_type)] = entry
+    return entry
+
+
+def register_recomputable_function(func_name: str) -> None:
+    """Allow PythonOps with this ``func_name`` (``module.QualName``) in recompute subgraphs.
+
+    Register only functions whose forward is cheap relative to the memory its outputs hold
+    and whose randomness (if any) comes from torch's RNG state, which the clone replays.
+    """
+    if not isinstance(func_name, str) or not func_name:
+        raise ValueError(f"func_name must be a non-empty string, not {func_name!r}")
+    _RECOMPUTABLE_FUNCTIONS.add(func_name)
+
+
+def unregister_recomputable_function(func_name: str) -> None:
+    _RECOMPUTABLE_FUNCTIONS.discard(func_name)
+
+
+def recomputable_functions() -> frozenset[str]:
+    return frozenset(_RECOMPUTABLE_FUNCTIONS)
+
+
+def recomputable_ops(probe_level: int = ProbeLevel.BASIC) -> list[RecomputableOp]:
+    """The table entries enabled at ``probe_level``."""
+    return [e for e in _TABLE.values() if e.level <= probe_level]
+
+
+def node_opset(node: ir.Node, opset_imports: Mapping[str, int]) -> int | None:
+    """The opset of ``node``'s domain in the model (``node.version`` wins when set)."""
+    if node.version is not None:
+        return node.version
+    domain = _normalize_domain(node.domain)
+    if domain in opset_imports:
+        return opset_imports[domain]
+    if domain == "" and "ai.onnx" in opset_imports:
+        return opset_imports["ai.onnx"]
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def since_version(domain: str, op_type: str, opset: int) -> int | None:
+    """The since-version of the schema ``op_type`` resolves to at ``opset``.
+
+    For the default domain onnx's schema registry answers.  Contrib domains (com.microsoft)
+    are not in it and all their ops are version 1; so are ORT's contrib ops registered in
+    the default domain (LayerNormalization before opset 17, SimplifiedLayerNormalization).
+    """
+    domain = _normalize_domain(domain)
+    if domain != "":
+        return 1 if opset >= 1 else None
+    try:
+        return onnx.defs.get_schema(op_type, max_inclusive_version=opset, domain="").since_version
+    except onnx.defs.SchemaError:
+        return 1
+
+
+def lookup_recomputable(
+    node: ir.Node, opset_imports: Mapping[str, int], probe_level: int = ProbeLevel.BASIC
+) -> RecomputableOp | None:
+    """The allow-table entry that makes ``node`` recomputable at ``probe_level``, or None."""
+    if probe_level <= ProbeLevel.DISABLED:
+        return None
+    entry = _TABLE.get((_normalize_domain(node.domain), node.op_type))
+    if entry is None or entry.level > probe_level:
+        return None
+    opset = node_opset(node, opset_imports)
+    if opset is None or since_version(entry.domain, node.op_type, opset) not in entry.since_versions:
+        return None
+    if entry.domain == MS_DOMAIN and node.op_type == "PythonOp":
+        func_name = node.attributes.get("func_name")
+        if func_name is None or func_name.as_string() not in _RECOMPUTABLE_FUNCTIONS:
+            return None
+    return entry
+
+
+def is_recomputable(node: ir.Node, opset_imports: Mapping[str, int], probe_level: int = ProbeLevel.BASIC) -> bool:
+    return lookup_recomputable(node, opset_imports, probe_level) is not None
+
+
+def _register_defaults() -> None:
+    basic, advanced = ProbeLevel.BASIC, ProbeLevel.ADVANCED
+    arithmetic = (1, 6, 7, 13, 14)
+    onnx_ops: list[tuple[str, tuple[int, ...], int, tuple[int, ...]]] = [
+        # (op type, since-versions, level, inputs not followed)
+        ("Add", arithmetic, basic, ()),
+        ("Sub", arithmetic, basic, ()),
+        ("Mul", arithmetic, basic, ()),
+        ("Div", arithmetic, basic, ()),
+        ("Neg", (1, 6, 13), basic, ()),
+        ("BatchNormalization", (1, 6, 7, 9, 14, 15), basic, ()),
+        ("Cast", (1, 6, 9, 13, 19, 21), basic, ()),
+        ("ConstantOfShape", (9, 20, 21), basic, (0,)),  # the shape input
+        ("Cos", (7,), basic, ()),
+        ("Sin", (7,), basic, ()),
+        ("CumSum", (11, 14), basic, (1,)),  # the axis
+        # Dropout before 12 has no seed attribute, so forward and clone could differ.
+        ("Dropout", (12, 13), basic, (1, 2)),  # ratio, training_mode
+        ("Einsum", (12,), basic, ()),
+        ("Equal", (1, 7, 11, 13, 19), basic, ()),
+        ("Less", (1, 7, 9, 13), basic, ()),
+        ("Expand", (8, 13), basic, (1,)),  # the shape
+        ("Gather", (1, 11, 13), basic, (1,)),  # the indices
+        ("Gelu", (20,), basic, ()),
+        ("Range", (11,), basic, (0, 1, 2)),  # scalars
+        ("Reshape", (1, 5, 13, 14, 19, 21), basic, ()),
+        ("Slice", (1, 10, 11, 13), basic, (1, 2, 3, 4)),  # starts, ends, axes, steps
+        ("Split", (1, 2, 11, 13, 18), basic, (1,)),  # the split sizes
+        ("Squeeze", (1, 11, 13, 21), basic, (1,)),  # the axes
+        ("Unsqueeze", (1, 11, 13, 21), basic, (1,)),  # the axes
+        ("Tile", (1, 6, 13), basic, (1, 2)),  # repeats (and opset-1 axis)
+        ("Transpose", (1, 13, 21), basic, ()),
+        ("Trilu", (14,), basic, (1,)),  # k
+        ("Where", (9, 16), basic, ()),
+        ("Flatten", (1, 9, 11, 13, 21), basic, ()),
+        ("Identity", (1, 13, 14, 16, 19, 21), basic, ()),
+        ("MatMul", (1, 9, 13), advanced, ()),
+        ("Softmax", (1, 11, 13), advanced, ()),
+        ("LayerNormalization", (1, 17), advanced, ()),
+        ("SimplifiedLayerNormalization", (1,), advanced, ()),
+    ]
+    for op_type, versions, level, ignored in onnx_ops:
+        register_recomputable_op(op_type, versions, level=level, ignored_inputs=ignored)
+    ms_ops: list[tuple[str, int, tuple[int, ...]]] = [
+        ("Gelu", basic, ()),
+        ("FastGelu", basic, ()),
+        ("QuickGelu", basic, ()),
+        ("BiasGelu", basic, ()),
+        ("BitmaskDropout", basic, (1, 2)),  # ratio, training_mode
+        ("BiasDropout", basic, (3, 4)),  # ratio, training_mode
+        ("BitmaskBiasDropout", basic, (3, 4)),
+        ("ConcatTraining", basic, ()),
+        ("FlattenAndUnpad", basic, (1,)),  # the indices
+        ("PadAndUnflatten", basic, (1, 2)),  # the indices and unflatten dims
+        ("PythonOp", basic, ()),  # gated on func_name, see lookup_recomputable
+        ("FusedMatMul", advanced, ()),
+        ("BiasSoftmax", advanced, ()),
+        ("BiasSoftmaxDropout", advanced, (2,)),  # ratio
+        ("SkipLayerNormalization", advanced, ()),
+        ("SkipSimplifiedLayerNormalization", advanced, ()),
+    ]
+    for op_type, level, ignored in ms_ops:
+        register_recomputable_op(op_type, (1,), domain=MS_DOMAIN, level=level, ignored_inputs=ignored)
+
+
+_register_defaults()
