@@ -10,8 +10,9 @@ Inside :func:`pythonop_export_context`, torch.onnx's TorchScript exporter
 - attributes: ``func_name`` (``module.QualName``), ``input_convention`` (``d`` tensor,
   ``c`` constant per argument), tensor types/ranks of inputs and outputs,
   ``input_requires_grads`` (one per argument), ``training_mode``, ``safe_run_mode``, and
-  the non-tensor arguments as typed attributes (``input_{bool,int,float}_scalars`` + ``_positions``; homogeneous tuples in
-  ``input_{bool,int,float}_tuples`` + ``_tuple_positions`` + ``_tuple_begins``).
+  the non-tensor arguments as typed attributes (``input_{bool,int,float}_scalars`` +
+  ``..._scalar_positions``; homogeneous tuples in ``input_{bool,int,float}_tuples`` +
+  ``..._tuple_positions`` + ``..._tuple_begins``).
 
 Any other non-tensor argument (None, a string, a list, a module, a mixed tuple...) makes
 the export fail with :class:`~ortpass.errors.ExportError` naming the Function and the
@@ -44,6 +45,8 @@ __all__ = [
     "CONTEXT_SUFFIX",
     "PYTHONOP_DOMAIN",
     "FunctionCall",
+    "constant_attributes",
+    "record_exported",
     "exported_functions",
     "name_context_outputs",
     "pythonop_attributes",
@@ -97,7 +100,7 @@ class FunctionCall:
 Exporter = Callable[[Any, FunctionCall], Any]
 
 _exporters: dict[str, Exporter] = {}
-_exported: dict[str, type] = {}
+_exported: dict[str, Any] = {}
 _lock = threading.Lock()
 
 
@@ -142,8 +145,14 @@ def registered_exporter(function: type | str) -> Exporter | None:
     return _exporters.get(qualified_name(function))
 
 
-def exported_functions() -> dict[str, type]:
-    """Every Function class exported as a PythonOp in this process, by func_name."""
+def record_exported(func_name: str, function: Any) -> None:
+    """Note that ``function`` was exported as PythonOps named ``func_name`` in this process."""
+    with _lock:
+        _exported[func_name] = function
+
+
+def exported_functions() -> dict[str, Any]:
+    """Every Function (or custom op) exported as a PythonOp in this process, by func_name."""
     with _lock:
         return dict(_exported)
 
@@ -200,8 +209,7 @@ def _emit_pythonop(g, call: FunctionCall, training: bool):
     ctx.setType(torch._C.TensorType.create_from_tensor(torch.zeros((), dtype=torch.int64)))
     for value, traced in zip(outputs, call.outputs):
         value.setType(traced.type())
-    with _lock:
-        _exported[call.func_name] = call.function
+    record_exported(call.func_name, call.function)
     return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
 
@@ -225,15 +233,19 @@ def pythonop_attributes(call: FunctionCall, *, training: bool = True) -> dict[st
         "training_mode": int(training),
         "safe_run_mode": 1,
     }
-    attributes.update(_constant_attributes(call))
+    attributes.update(constant_attributes(call.func_name, call.input_convention, call.args))
     return attributes
 
 
-def _constant_attributes(call: FunctionCall) -> dict[str, list]:
-    """The typed attributes of the non-tensor arguments (only the non-empty ones)."""
+def constant_attributes(func_name: str, input_convention: str, args: Sequence[Any]) -> dict[str, list]:
+    """The typed attributes of the non-tensor (``c``) arguments; only non-empty ones appear.
+
+    Raises ExportError naming ``func_name`` and the argument position for an argument that
+    is not a bool/int/float scalar or a homogeneous tuple of them.
+    """
     scalars: dict[str, tuple[list, list]] = {kind: ([], []) for kind in ("bool", "int", "float")}
     tuples: dict[str, tuple[list, list, list]] = {kind: ([], [], []) for kind in ("bool", "int", "float")}
-    for position, (kind_char, arg) in enumerate(zip(call.input_convention, call.args)):
+    for position, (kind_char, arg) in enumerate(zip(input_convention, args)):
         if kind_char == "d":
             continue
         scalar_kind = _scalar_kind(arg)
@@ -245,7 +257,7 @@ def _constant_attributes(call: FunctionCall) -> dict[str, list]:
         tuple_kind = _tuple_kind(arg)
         if tuple_kind is None:
             raise ExportError(
-                f"{call.func_name}: argument {position} ({type(arg).__name__} {arg!r:.60}) cannot be a "
+                f"{func_name}: argument {position} ({type(arg).__name__} {arg!r:.60}) cannot be a "
                 "PythonOp attribute; only tensors, bool/int/float scalars and homogeneous tuples of "
                 "them are exported (register an exporter for this Function to handle it)"
             )

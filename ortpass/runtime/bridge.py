@@ -85,14 +85,13 @@ _last_error: BaseException | None = None
 # -- registry ---------------------------------------------------------------------------------
 
 
-def register_function(function: type) -> type:
-    """Allow the bridge to run ``function`` (a torch.autograd.Function) for PythonOps naming it.
+def register_function(function: Any) -> Any:
+    """Allow the bridge to run ``function`` for the PythonOps naming it; returns ``function``.
 
-    Usable as a class decorator.  The key is ``module.QualName``, the PythonOp ``func_name``.
+    ``function`` is a torch.autograd.Function class (key ``module.QualName``; usable as a
+    class decorator) or a ``torch.library.custom_op`` (key ``namespace::name``).
     """
-    from ortpass.export.pythonop import qualified_name
-
-    name = qualified_name(function)
+    name = _key(function)
     with _lock:
         existing = _functions.get(name)
         if existing is not None and existing is not function:
@@ -101,15 +100,23 @@ def register_function(function: type) -> type:
     return function
 
 
-def unregister_function(function: type | str) -> None:
+def unregister_function(function: Any) -> None:
     """Forget a registration made with :func:`register_function` (no error if absent)."""
+    with _lock:
+        _functions.pop(_key(function), None)
+
+
+def _key(function: Any) -> str:
     from ortpass.export.pythonop import qualified_name
 
-    with _lock:
-        _functions.pop(qualified_name(function), None)
+    if isinstance(function, str) or isinstance(function, type):
+        return qualified_name(function)
+    from ortpass.export.custom_op import custom_op_name
+
+    return custom_op_name(function)
 
 
-def registered_functions() -> dict[str, type]:
+def registered_functions() -> dict[str, Any]:
     """Functions the bridge may run: explicit registrations over those exported here."""
     from ortpass.export.pythonop import exported_functions
 
@@ -165,12 +172,14 @@ def prepare(model: ir.Model) -> None:
     logger.debug("bridge ready for %s", sorted(names))
 
 
-def _ort_pool_entry(function: type) -> type:
+def _ort_pool_entry(function: Any) -> type:
     # ORT's pool accepts only classes whose *direct* base is torch.autograd.Function; our
-    # runners ignore the callback it hands back, so a stand-in is fine for deeper classes.
-    if torch.autograd.Function in function.__bases__:
+    # runners ignore the callback it hands back, so a stand-in serves deeper classes and
+    # custom ops.
+    if isinstance(function, type) and torch.autograd.Function in function.__bases__:
         return function
-    return type(function.__name__, (torch.autograd.Function,), {"__module__": function.__module__})
+    name = getattr(function, "__name__", None) or type(function).__name__
+    return type(name, (torch.autograd.Function,), {"__module__": __name__})
 
 
 def _install_runners(C) -> None:
@@ -221,15 +230,18 @@ def last_runner_error() -> BaseException | None:
 # -- the runners (Python side) ----------------------------------------------------------------
 
 
-def _lookup(func_name: str) -> type:
+def _lookup(func_name: str) -> Any:
+    """The callable that runs ``func_name``: ``Function.apply`` or the custom op itself."""
     function = registered_functions().get(func_name)
     if function is None:
         raise UnregisteredFunctionError(f"autograd Function {func_name!r} is not registered with the bridge")
+    if isinstance(function, type) and issubclass(function, torch.autograd.Function):
+        return function.apply
     return function
 
 
 def _run_forward(func_name: str, requires_grads, tensor_flags, training: bool, args: list) -> list:
-    function = _lookup(func_name)
+    run = _lookup(func_name)
     call_args: list[Any] = []
     leaves: dict[int, torch.Tensor] = {}
     for position, (is_tensor, arg) in enumerate(zip(tensor_flags, args)):
@@ -243,7 +255,7 @@ def _run_forward(func_name: str, requires_grads, tensor_flags, training: bool, a
                 leaves[position] = tensor
         call_args.append(tensor)
     with torch.set_grad_enabled(training):
-        outputs = function.apply(*call_args)
+        outputs = run(*call_args)
     outputs = outputs if isinstance(outputs, tuple) else (outputs,)
     inputs = [a for a in call_args if isinstance(a, torch.Tensor)]
     returned = [_to_ort(o, copy=training, inputs=inputs) for o in outputs]
