@@ -1,0 +1,265 @@
+"""The ``ortpass`` command end to end on a tiny hand-built model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import types
+from pathlib import Path
+
+import onnx
+import onnx_ir as ir
+import pytest
+
+from conftest import make_relu_model
+from ortpass.analysis.partition import TrainingInfo, set_training_info, tag
+from ortpass.cli import main
+from ortpass.passes.base import OrtPass
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class CliInsertIdentityPass(OrtPass):
+    """Puts an Identity in front of the first node."""
+
+    name = "cli-insert-identity"
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        first = model.graph.node(0)
+        identity = ir.node("Identity", [first.inputs[0]])
+        model.graph.insert_before(first, identity)
+        first.replace_input_with(0, identity.outputs[0])
+        return ir.passes.PassResult(model, True)
+
+
+class CliFailingPass(OrtPass):
+    name = "cli-failing"
+    runs_after = {"cli-insert-identity"}
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        raise RuntimeError("this pass always fails")
+
+
+class CliNeedsShapesPass(OrtPass):
+    name = "cli-needs-shapes"
+    phase = "pre-grad"
+    requires_properties = {"shapes"}
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        return ir.passes.PassResult(model, False)
+
+
+@pytest.fixture(autouse=True)
+def registered(isolated_registry):
+    for cls in (CliInsertIdentityPass, CliFailingPass, CliNeedsShapesPass):
+        isolated_registry[cls.name] = cls
+
+
+@pytest.fixture
+def model_file(tmp_path) -> Path:
+    path = tmp_path / "in.onnx"
+    ir.save(make_relu_model(), path)
+    return path
+
+
+def op_types(path: Path) -> list[str]:
+    return [n.op_type for n in onnx.load(str(path)).graph.node]
+
+
+def test_optimize_writes_output_report_and_dumps(model_file, tmp_path, capsys):
+    before = model_file.read_bytes()
+    out, report, dumps = tmp_path / "out.onnx", tmp_path / "report.json", tmp_path / "dumps"
+    code = main([
+        "optimize", str(model_file), "-o", str(out), "--pipeline", "cli-insert-identity",
+        "--report", str(report), "--dump-dir", str(dumps),
+    ])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert op_types(out) == ["Identity", "Relu"]
+    assert model_file.read_bytes() == before
+    assert json.loads(report.read_text())["passes"][0]["added"] == {"Identity": 1}
+    assert sorted(p.name for p in dumps.iterdir()) == ["01_cli-insert-identity.onnx"]
+    assert "cli-insert-identity" in captured.out and "Identity+1" in captured.out  # the table
+    assert "[1/1] cli-insert-identity: changed" in captured.err  # progress goes to logging
+
+
+def test_optimize_refuses_to_overwrite_the_input(model_file, capsys):
+    before = model_file.read_bytes()
+    spelled_differently = model_file.parent / "." / model_file.name
+    for output in (model_file, spelled_differently):
+        assert main(["optimize", str(model_file), "-o", str(output), "--pipeline", "cli-insert-identity"]) == 2
+        assert "refusing to overwrite" in capsys.readouterr().err
+    assert main(["optimize", str(model_file), "--pipeline", "cli-insert-identity"]) == 2
+    assert "--in-place" in capsys.readouterr().err
+    assert model_file.read_bytes() == before
+
+
+def test_optimize_refuses_a_report_path_that_is_the_input(model_file, tmp_path, capsys):
+    before = model_file.read_bytes()
+    args = ["optimize", str(model_file), "-o", str(tmp_path / "o.onnx"), "--pipeline", "cli-insert-identity"]
+    assert main(args + ["--report", str(model_file)]) == 2
+    assert "--report" in capsys.readouterr().err
+    assert model_file.read_bytes() == before
+
+
+def test_in_place_replaces_the_input(model_file):
+    assert main(["optimize", str(model_file), "--in-place", "--pipeline", "cli-insert-identity"]) == 0
+    assert op_types(model_file) == ["Identity", "Relu"]
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("no-such-pass", "PipelineSpecError: position 0: unknown pass 'no-such-pass'"),
+        ("cli-insert-identity(", "PipelineSpecError"),
+        ("cli-insert-identity(level=1)", "has no option 'level'"),
+        ("cli-needs-shapes", "PassOrderingError: pass 'cli-needs-shapes' requires 'shapes'"),
+    ],
+)
+def test_a_bad_pipeline_is_bad_usage(model_file, tmp_path, capsys, spec, message):
+    out = tmp_path / "out.onnx"
+    assert main(["optimize", str(model_file), "-o", str(out), "--pipeline", spec]) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_a_failing_pass_exits_1_naming_it_and_writes_no_model(model_file, tmp_path, capsys):
+    out, report = tmp_path / "out.onnx", tmp_path / "r.json"
+    code = main([
+        "optimize", str(model_file), "-o", str(out), "--pipeline", "cli-failing,cli-insert-identity",
+        "--report", str(report),
+    ])
+    assert code == 1
+    assert "pass 'cli-failing' failed: RuntimeError: this pass always fails" in capsys.readouterr().err
+    assert not out.exists()
+    records = json.loads(report.read_text())["passes"]
+    assert [(r["name"], r["error"] is not None) for r in records] == [("cli-insert-identity", False), ("cli-failing", True)]
+
+
+def test_input_that_is_not_a_model_is_bad_input(tmp_path, capsys):
+    junk = tmp_path / "junk.onnx"
+    junk.write_bytes(b"\xff\xfe not a protobuf")
+    for path in (junk, tmp_path / "missing.onnx"):
+        assert main(["optimize", str(path), "-o", str(tmp_path / "o.onnx"), "--pipeline", "cli-insert-identity"]) == 2
+        assert "ModelLoadError" in capsys.readouterr().err
+
+
+def test_bad_arguments_are_bad_usage(capsys):
+    assert main(["optimize"]) == 2
+    assert main(["no-such-command"]) == 2
+    assert "usage:" in capsys.readouterr().err
+
+
+def test_quiet_hides_progress(model_file, tmp_path, capsys):
+    assert main(["-q", "optimize", str(model_file), "-o", str(tmp_path / "o.onnx"), "--pipeline", "cli-insert-identity"]) == 0
+    assert "[1/1]" not in capsys.readouterr().err
+
+
+def test_list_passes_shows_declarations_and_source(capsys):
+    assert main(["list-passes"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["name", "phase", "requires", "provides", "source"]
+    row = next(line for line in lines if line.startswith("cli-needs-shapes"))
+    assert row.split() == ["cli-needs-shapes", "pre-grad", "shapes", "-", "test_cli.CliNeedsShapesPass"]
+
+
+def test_report_on_a_forward_graph_prints_a_summary_and_explains_why_no_analysis(model_file, tmp_path, capsys):
+    before = model_file.read_bytes()
+    json_path = tmp_path / "r.json"
+    assert main(["report", str(model_file), "--json", str(json_path)]) == 2
+    captured = capsys.readouterr()
+    assert "nodes: 1 (Relu 1)" in captured.out and "x  FLOAT[2,3]" in captured.out
+    assert "not a training graph" in captured.err
+    assert model_file.read_bytes() == before and not json_path.exists()
+
+
+class FakeCandidates:
+    """Stands in for the recompute analysis result (its contract: to_table, to_dict, plot)."""
+
+    plotted: list = []
+
+    def to_table(self) -> str:
+        return "candidate table"
+
+    def to_dict(self) -> dict:
+        return {"candidates": ["Gelu"]}
+
+    def plot(self, path, plans=None):
+        FakeCandidates.plotted.append((path, plans))
+
+
+def test_report_on_a_training_graph_runs_the_recompute_analysis(tmp_path, capsys, monkeypatch):
+    model = make_relu_model()
+    tag(model.graph.node(0), "forward")
+    set_training_info(model, TrainingInfo(loss="y", params=(), gradients={}))
+    path = tmp_path / "train.onnx"
+    ir.save(model, path)
+    before = path.read_bytes()
+    calls = []
+
+    def find_recompute_candidates(m, *, probe_level, layer_boundary, dims):
+        calls.append((type(m), probe_level, layer_boundary, dims))
+        return FakeCandidates()
+
+    fake = types.ModuleType("ortpass.analysis.recompute")
+    fake.find_recompute_candidates = find_recompute_candidates
+    monkeypatch.setitem(sys.modules, "ortpass.analysis.recompute", fake)
+    FakeCandidates.plotted.clear()
+    json_path, plot_path = tmp_path / "r.json", tmp_path / "p.png"
+    code = main(["report", str(path), "--json", str(json_path), "--plot", str(plot_path), "--probe-level", "2", "--layer-boundary"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert calls == [(ir.Model, 2, True, None)]
+    assert "training graph: loss 'y', 0 parameters" in captured.out and "candidate table" in captured.out
+    data = json.loads(json_path.read_text())
+    assert data["recompute"] == {"candidates": ["Gelu"]} and data["model"]["ops"] == {"Relu": 1}
+    assert FakeCandidates.plotted == [(str(plot_path), None)]
+    assert path.read_bytes() == before
+
+
+def test_report_refuses_to_write_over_the_model(model_file, capsys):
+    before = model_file.read_bytes()
+    assert main(["report", str(model_file), "--plot", str(model_file)]) == 2
+    assert "--plot" in capsys.readouterr().err
+    assert model_file.read_bytes() == before
+
+
+def test_the_installed_command_with_a_plugin_pass_from_an_entry_point(model_file, tmp_path):
+    """A real process: `python -m ortpass`, with a pass that only an entry point provides."""
+    plugin = tmp_path / "plugin"
+    plugin.mkdir()
+    (plugin / "cli_plugin_pass.py").write_text(textwrap.dedent(
+        '''
+        import onnx_ir as ir
+        from ortpass.passes.base import OrtPass
+
+        class NegateInput(OrtPass):
+            """Puts a Neg in front of the first node."""
+
+            def call(self, model):
+                first = model.graph.node(0)
+                neg = ir.node("Neg", [first.inputs[0]])
+                model.graph.insert_before(first, neg)
+                first.replace_input_with(0, neg.outputs[0])
+                return ir.passes.PassResult(model, True)
+        '''
+    ))
+    dist_info = plugin / "cli_plugin_pass-0.1.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: cli-plugin-pass\nVersion: 0.1\n")
+    (dist_info / "entry_points.txt").write_text("[ortpass.passes]\nnegate-input = cli_plugin_pass:NegateInput\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(plugin), str(REPO)]))
+    out = tmp_path / "out.onnx"
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "ortpass", *args], env=env, capture_output=True, text=True, timeout=120)
+
+    done = run("optimize", str(model_file), "-o", str(out), "--pipeline", "negate-input")
+    assert done.returncode == 0, done.stderr
+    assert op_types(out) == ["Neg", "Relu"]
+    assert "negate-input" in done.stdout
+    refused = run("optimize", str(model_file), "-o", str(model_file), "--pipeline", "negate-input")
+    assert refused.returncode == 2 and "refusing to overwrite" in refused.stderr
