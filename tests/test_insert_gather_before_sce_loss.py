@@ -302,13 +302,25 @@ def test_flag_with_a_different_func_name_is_not_a_flag():
     assert serialized(model) == before
 
 
-def test_unknown_label_rank_is_skipped():
+def test_shapes_missing_from_the_graph_are_inferred_on_a_copy():
     model = sce_model(reshape=True)
     model.graph.node("reshape").outputs[0].shape = None
+    model.graph.node("matmul").outputs[0].shape = None
+    pass_ = InsertGatherBeforeSceLossPass()
+    assert pass_(model).modified
+    assert str(loss_node(model).inputs[0].shape) == "[valid_label_count_0,256]"
+    # The inference ran on a copy: values the pass did not create keep their (missing) shape.
+    assert model.graph.node("reshape").outputs[0].shape is None
+
+
+def test_unknown_logits_rank_is_skipped():
+    model = sce_model()
+    model.graph.inputs[0].shape = None  # x: so nothing can tell the rank of MatMul's output
+    model.graph.node("matmul").outputs[0].shape = None
     pass_ = InsertGatherBeforeSceLossPass()
     pass_(model)
     assert "ShrunkenGather" not in op_types(model)
-    assert "rank unknown" in pass_.stats["notes"]["skipped"][0]["reason"]
+    assert "rank unknown (logits rank None, labels rank 1)" in pass_.stats["notes"]["skipped"][0]["reason"]
 
 
 # -- density printing keeps the flag --------------------------------------------------------------

@@ -24,6 +24,7 @@ import logging
 import os
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 
 from ortpass.passes.base import CREATED_BY_KEY, OrtPass
@@ -67,7 +68,9 @@ class _Candidate:
     loss: ir.Node
     ignore_index: int
     flag: ir.Node | None
-    # Type and shape of the label: the flag's output may lack them while its input has them.
+    # Types and shapes of the loss inputs, wherever they were found (see _TypeSource).
+    logits_dtype: ir.DataType
+    logits_shape: ir.Shape
     label_dtype: ir.DataType
     label_shape: ir.Shape
 
@@ -109,6 +112,8 @@ class InsertGatherBeforeSceLossPass(OrtPass):
     """
 
     phase = "pre-grad"
+    # Shapes recorded on the flag's output keep the label's dims connected; see _TypeSource.
+    runs_after = frozenset({"pythonop-shape-inference"})
 
     def __init__(self, *, force: bool = False, keep_flag_for_printing: bool | None = None) -> None:
         super().__init__()
@@ -122,11 +127,12 @@ class InsertGatherBeforeSceLossPass(OrtPass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
+        types = _TypeSource(model)
         candidates = []
         for node in graph:
             if not _is_sce_loss(node, model):
                 continue
-            candidate, reason = self._check(node, graph)
+            candidate, reason = self._check(node, types)
             if candidate is None:
                 self.count("losses skipped")
                 self.note("skipped", {"node": node.name, "op": node.op_type, "reason": reason})
@@ -144,7 +150,7 @@ class InsertGatherBeforeSceLossPass(OrtPass):
         return ir.passes.PassResult(model, modified=bool(candidates) or removed > 0)
 
     # -- checks ---------------------------------------------------------------------------
-    def _check(self, loss: ir.Node, graph: ir.Graph) -> tuple[_Candidate | None, str]:
+    def _check(self, loss: ir.Node, types: _TypeSource) -> tuple[_Candidate | None, str]:
         """Return the candidate, or None and the ORT condition that failed."""
         label = loss.inputs[1]
         producer = label.producer() if label is not None else None
@@ -153,12 +159,15 @@ class InsertGatherBeforeSceLossPass(OrtPass):
         flag = _flag_before(label)
         if flag is None and not self.force:
             return None, "label is not flagged by FlagAndPrintDensity (density at export >= threshold, or not probed)"
-        logits_rank = _rank(loss.inputs[0])
-        # An identity flag's input has the type and shape its output may not have recorded.
-        typed_label = flag.inputs[0] if flag is not None and producer is flag else label
-        label_rank = _rank(label) if _rank(label) is not None else _rank(typed_label)
-        if logits_rank is None or label_rank is None:
-            return None, f"rank unknown (logits rank {logits_rank}, labels rank {label_rank}); run shape inference first"
+        logits_shape = types.shape(loss.inputs[0])
+        label_shape = types.shape(label)
+        if label_shape is None and flag is not None and producer is flag:
+            # An identity flag's input has the shape its output may not have recorded.
+            label_shape = types.shape(flag.inputs[0])
+        logits_rank = len(logits_shape) if logits_shape is not None else None
+        label_rank = len(label_shape) if label_shape is not None else None
+        if logits_shape is None or label_shape is None:
+            return None, f"rank unknown (logits rank {logits_rank}, labels rank {label_rank})"
         if (logits_rank, label_rank) != (2, 1):
             return None, f"logits rank {logits_rank} and labels rank {label_rank}; needs 2 and 1"
         reduction = _reduction(loss)
@@ -172,11 +181,11 @@ class InsertGatherBeforeSceLossPass(OrtPass):
             return None, f"log_prob {log_prob.name!r} is a graph output"
         if log_prob is not None and log_prob.uses():
             return None, f"log_prob {log_prob.name!r} is consumed by {_consumer_names(log_prob)}"
-        label_dtype = label.dtype or typed_label.dtype
-        if label_dtype is None:
-            return None, f"label {label.name!r} has no known element type"
-        label_shape = label.shape if label.shape is not None else typed_label.shape
-        return _Candidate(loss, ignore_index, flag, label_dtype, label_shape), ""
+        logits_dtype = types.dtype(loss.inputs[0])
+        label_dtype = types.dtype(label) or (types.dtype(flag.inputs[0]) if flag is not None else None)
+        if logits_dtype is None or label_dtype is None:
+            return None, f"element type unknown (logits {logits_dtype}, labels {label_dtype})"
+        return _Candidate(loss, ignore_index, flag, logits_dtype, logits_shape, label_dtype, label_shape), ""
 
     # -- rewrite --------------------------------------------------------------------------
     def _rewrite(self, model: ir.Model, candidate: _Candidate, namer: _Namer) -> None:
@@ -188,7 +197,7 @@ class InsertGatherBeforeSceLossPass(OrtPass):
         opset = model.opset_imports.get("", _SCE_MIN_OPSET)
         tape = ir.tape.Tape()
         indices = _valid_indices(tape, labels, candidate, dim, opset)
-        types = ((logits.dtype, logits.shape), (candidate.label_dtype, candidate.label_shape))
+        types = ((candidate.logits_dtype, candidate.logits_shape), (candidate.label_dtype, candidate.label_shape))
         for index, (value, (dtype, shape)) in enumerate(zip((logits, labels), types)):
             gathered = tape.op("ShrunkenGather", [value, indices], domain=MS_DOMAIN)
             gathered.name = f"{value.name}_valid_rows"
@@ -266,10 +275,45 @@ def _flag_density(flag: ir.Node) -> float | None:
     return float(floats.value[0])
 
 
-def _rank(value: ir.Value | None) -> int | None:
-    if value is None or value.shape is None:
-        return None
-    return len(value.shape)
+class _TypeSource:
+    """Element types and shapes of values: as recorded in the graph, else ONNX-inferred.
+
+    An exported graph often records no intermediate shapes.  Rather than skip its losses,
+    ONNX shape inference runs once, on a serialized copy, the first time a shape is
+    missing; the model itself is not changed.  (A shape pass in the pipeline, such as
+    ``pythonop-shape-inference``, which runs before this one, makes the copy unneeded.)
+    """
+
+    def __init__(self, model: ir.Model) -> None:
+        self._model = model
+        self._inferred: dict[str, ir.Value] | None = None
+
+    def shape(self, value: ir.Value | None) -> ir.Shape | None:
+        if value is None or value.shape is not None:
+            return value.shape if value is not None else None
+        inferred = self._lookup(value)
+        return inferred.shape if inferred is not None else None
+
+    def dtype(self, value: ir.Value | None) -> ir.DataType | None:
+        if value is None or value.dtype is not None:
+            return value.dtype if value is not None else None
+        inferred = self._lookup(value)
+        return inferred.dtype if inferred is not None else None
+
+    def _lookup(self, value: ir.Value) -> ir.Value | None:
+        if self._inferred is None:
+            self._inferred = _infer_copy(self._model)
+        return self._inferred.get(value.name or "")
+
+
+def _infer_copy(model: ir.Model) -> dict[str, ir.Value]:
+    try:
+        proto = onnx.shape_inference.infer_shapes(ir.to_proto(model), strict_mode=False)
+    except Exception as exc:  # onnx raises several types; an unknown shape is the outcome
+        logger.debug("ONNX shape inference failed (%s); shapes not in the graph stay unknown", exc)
+        return {}
+    graph = ir.from_proto(proto).graph
+    return {out.name: out for node in graph for out in node.outputs if out.name}
 
 
 def _reduction(loss: ir.Node) -> str:
