@@ -6,6 +6,8 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import subprocess
+import sys
 
 import onnx
 import onnx_ir as ir
@@ -426,3 +428,25 @@ def test_progress_instrument_logs_position_and_outcome(relu_model, caplog):
     assert len(messages) == 2
     assert messages[0].startswith("[1/2] insert-identity: changed, 1 -> 2 nodes (")
     assert messages[1].startswith("[2/2] no-op: unchanged (")
+
+
+# -- import cost ----------------------------------------------------------------------------
+
+
+def _modules_after_import(statement: str) -> set[str]:
+    code = f"import sys; {statement}; print(' '.join(sys.modules))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    return set(done.stdout.split())
+
+
+def test_importing_the_manager_and_the_command_does_not_start_onnxruntime():
+    assert "onnxruntime" not in _modules_after_import("import ortpass, ortpass.manager, ortpass.cli")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="ortpass.passes/__init__ imports pythonop_shape_inference -> ortpass.export/__init__ -> "
+    "ortpass.export.torchscript -> torch; remove this marker once that chain imports torch lazily",
+)
+def test_importing_ortpass_does_not_import_torch():
+    assert "torch" not in _modules_after_import("import ortpass")
