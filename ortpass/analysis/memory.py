@@ -35,6 +35,7 @@ __all__ = [
     "static_numel",
     "evaluate",
     "graph_dim_params",
+    "bind_internal_dims",
     "is_alias_node",
 ]
 
@@ -165,3 +166,49 @@ class BufferMap:
     def is_view(self, value: ir.Value) -> bool:
         """True when ``value`` is a view (its buffer is another value's)."""
         return self.root(value) is not value
+
+
+def bind_internal_dims(model: ir.Model, dims: Mapping[str, int], wanted: Iterable[str]) -> dict[str, int]:
+    """Values for graph-internal dim params (``unk__3``...) at the given input ``dims``.
+
+    Shape inference names dims it cannot express over the inputs' dims; the memory at
+    concrete input dims still depends on them.  This runs onnx shape inference (with data
+    propagation, so shape-computing subgraphs resolve) on a copy whose input dims are
+    concrete, and reads each wanted symbol off the values where it appears.  A symbol that
+    gets two different values, or none, stays unbound.  The model is not changed.
+    """
+    import onnx
+    import onnx.shape_inference
+
+    wanted = set(wanted) - set(dims)
+    if not wanted:
+        return {}
+    proto = ir.to_proto(model)
+    for value_info in proto.graph.input:
+        for dim in value_info.type.tensor_type.shape.dim:
+            if dim.HasField("dim_param") and dim.dim_param in dims:
+                dim.dim_value = int(dims[dim.dim_param])
+    del proto.graph.value_info[:]
+    try:
+        inferred = onnx.shape_inference.infer_shapes(proto, data_prop=True)
+    except Exception as exc:  # onnx raises several types; any of them means "no bindings"
+        logger.info("shape inference at concrete dims failed (%s); internal dims stay symbolic", exc)
+        return {}
+    concrete = {
+        vi.name: [d.dim_value if d.HasField("dim_value") else None for d in vi.type.tensor_type.shape.dim]
+        for vi in inferred.graph.value_info
+    }
+    bindings: dict[str, int] = {}
+    conflicting: set[str] = set()
+    for node in model.graph:
+        for value in node.outputs:
+            shape = concrete.get(value.name)
+            if value.shape is None or shape is None or len(shape) != len(value.shape):
+                continue
+            for dim, size in zip(value.shape, shape):
+                if isinstance(dim, ir.SymbolicDim) and dim.value in wanted and size is not None:
+                    if bindings.setdefault(dim.value, size) != size:
+                        conflicting.add(dim.value)
+    for name in conflicting:
+        del bindings[name]
+    return bindings

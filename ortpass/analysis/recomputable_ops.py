@@ -6,8 +6,10 @@ someone checks that the new version is still deterministic and cheap.  Each entr
 probe level and the input indices that the upward search does *not* follow (shape-like or
 scalar inputs such as Dropout's ratio or Expand's shape: the clone reads the forward value).
 
-Levels (ORT's ``ProbeLevel``): 0 disabled, 1 basic (element-wise, data movement, Dropout,
-Gelu variants), 2 advanced (also MatMul, Softmax, LayerNorm variants: costly to redo).
+Probe levels are ORT's (the first field of its probe config ``<level>:<layer boundary>``,
+measured on ORT 1.19.2): 0 basic (element-wise, data movement, Dropout, Gelu variants),
+1 advanced (also MatMul, Softmax, LayerNorm variants: costlier to redo).  ORTModule probed
+at 1 by default, and so does :func:`ortpass.analysis.find_recompute_candidates`.
 
 Differences from ORT 1.19.2's table, on purpose:
 
@@ -53,9 +55,8 @@ MS_DOMAIN = "com.microsoft"
 class ProbeLevel:
     """ORT's probe levels (the first field of ORT's probe config ``<level>[:<layer>]``)."""
 
-    DISABLED = 0
-    BASIC = 1
-    ADVANCED = 2
+    BASIC = 0
+    ADVANCED = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +123,7 @@ def recomputable_functions() -> frozenset[str]:
     return frozenset(_RECOMPUTABLE_FUNCTIONS)
 
 
-def recomputable_ops(probe_level: int = ProbeLevel.BASIC) -> list[RecomputableOp]:
+def recomputable_ops(probe_level: int = ProbeLevel.ADVANCED) -> list[RecomputableOp]:
     """The table entries enabled at ``probe_level``."""
     return [e for e in _TABLE.values() if e.level <= probe_level]
 
@@ -157,11 +158,9 @@ def since_version(domain: str, op_type: str, opset: int) -> int | None:
 
 
 def lookup_recomputable(
-    node: ir.Node, opset_imports: Mapping[str, int], probe_level: int = ProbeLevel.BASIC
+    node: ir.Node, opset_imports: Mapping[str, int], probe_level: int = ProbeLevel.ADVANCED
 ) -> RecomputableOp | None:
     """The allow-table entry that makes ``node`` recomputable at ``probe_level``, or None."""
-    if probe_level <= ProbeLevel.DISABLED:
-        return None
     entry = _TABLE.get((_normalize_domain(node.domain), node.op_type))
     if entry is None or entry.level > probe_level:
         return None
@@ -175,7 +174,7 @@ def lookup_recomputable(
     return entry
 
 
-def is_recomputable(node: ir.Node, opset_imports: Mapping[str, int], probe_level: int = ProbeLevel.BASIC) -> bool:
+def is_recomputable(node: ir.Node, opset_imports: Mapping[str, int], probe_level: int = ProbeLevel.ADVANCED) -> bool:
     return lookup_recomputable(node, opset_imports, probe_level) is not None
 
 

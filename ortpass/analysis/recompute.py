@@ -302,7 +302,8 @@ def _dims_text(dims: Mapping[str, int] | None, source: str) -> str:
         return "none (symbolic savings only)"
     if not dims:
         return "static shapes"
-    return ", ".join(f"{k}={v}" for k, v in sorted(dims.items())) + f" [{source}]"
+    shown = {k: v for k, v in dims.items() if not k.startswith("unk__")}  # internal ones: see the notes
+    return ", ".join(f"{k}={v}" for k, v in sorted(shown.items())) + f" [{source}]"
 
 
 @dataclasses.dataclass
@@ -456,12 +457,16 @@ class _Analysis:
         """Bytes freed by recomputing ``outputs`` with ``growth`` (a string: why none)."""
         members = set(growth.nodes)
         freed = sympy.Integer(0)
+        shares_a_freed_buffer = False
         for value in outputs:
             buffer = self.buffers.root(value)
             if buffer.producer() not in members:
                 continue  # a view of a buffer the clones read: it stays alive
             if self.buffer_owner[buffer] is not value:
-                continue  # another stashed view of this buffer carries its bytes
+                # Another stashed view of this buffer carries its bytes; this one is still
+                # needed, since the buffer is freed only when all its views are recomputed.
+                shares_a_freed_buffer = True
+                continue
             size = self.nbytes(buffer)
             if size is None:
                 return f"the size of {buffer.name!r} is unknown"
@@ -474,6 +479,8 @@ class _Analysis:
             if size is None:
                 return f"the size of kept value {buffer.name!r} is unknown"
             freed -= size
+        if freed == 0 and shares_a_freed_buffer:
+            return freed
         if freed == 0 or (freed.is_number and freed <= 0):
             return "it frees no memory (its outputs are views of buffers that stay alive)"
         return freed
@@ -529,7 +536,24 @@ def _resolve_dims(model: ir.Model, dims: Mapping[str, int] | None, stashed: Sequ
     return None, "none"
 
 
-def _dims_notes(dims: dict | None, source: str, stashed: Sequence[ir.Value]) -> list[str]:
+def _bind_internal_dims(model: ir.Model, dims: dict | None, stashed: Sequence[ir.Value]) -> tuple[dict | None, list[str]]:
+    """Add the values of graph-internal dims (named by shape inference) at ``dims``."""
+    if not dims:
+        return dims, []
+    unbound = memory.graph_dim_params(stashed) - set(dims)
+    if not unbound:
+        return dims, []
+    bound = memory.bind_internal_dims(model, dims, unbound)
+    notes = []
+    if bound:
+        notes.append(
+            f"internal dims bound by shape inference at these dims: "
+            + ", ".join(f"{k}={v}" for k, v in sorted(bound.items()))
+        )
+    return {**dims, **bound}, notes
+
+
+def _dims_notes(dims: dict | None, stashed: Sequence[ir.Value]) -> list[str]:
     symbols = sorted(memory.graph_dim_params(stashed))
     if dims is None:
         return [f"the graph has symbolic dims ({', '.join(symbols)}) and no dims were given: savings are symbolic only"]
@@ -542,7 +566,7 @@ def _dims_notes(dims: dict | None, source: str, stashed: Sequence[ir.Value]) -> 
 def find_recompute_candidates(
     training_model: ir.Model,
     *,
-    probe_level: int = ProbeLevel.BASIC,
+    probe_level: int = ProbeLevel.ADVANCED,
     layer_boundary: bool = False,
     dims: Mapping[str, int] | None = None,
     max_nodes: int = DEFAULT_MAX_NODES,
@@ -552,7 +576,7 @@ def find_recompute_candidates(
 
     Args:
         training_model: a training graph (``ortpass.training.build_training_graph``); read only.
-        probe_level: 0 disabled, 1 basic ops, 2 also MatMul/Softmax/LayerNorm (advanced).
+        probe_level: ORT's levels: 0 basic ops, 1 also MatMul/Softmax/LayerNorm (advanced).
         layer_boundary: only candidates inside detected transformer layers, keeping each
             layer's input (see :mod:`ortpass.analysis.layers`).
         dims: dim-param values to evaluate sizes at; default: the dims recorded at export,
@@ -564,10 +588,11 @@ def find_recompute_candidates(
         ortpass.errors.TrainingGraphError: the model is not a tagged training graph.
         ValueError: a bad ``probe_level`` or ``dims``.
     """
-    if probe_level not in (ProbeLevel.DISABLED, ProbeLevel.BASIC, ProbeLevel.ADVANCED):
-        raise ValueError(f"probe_level must be 0 (disabled), 1 (basic) or 2 (advanced), not {probe_level!r}")
+    if probe_level not in (ProbeLevel.BASIC, ProbeLevel.ADVANCED):
+        raise ValueError(f"probe_level must be 0 (basic) or 1 (advanced, ORT's default), not {probe_level!r}")
     partition = get_partition(training_model)
     resolved_dims, dims_source = _resolve_dims(training_model, dims, partition.stashed)
+    resolved_dims, notes = _bind_internal_dims(training_model, resolved_dims, partition.stashed)
     analysis = _Analysis(
         training_model, partition, probe_level, layer_boundary, resolved_dims, max_nodes, min_elements
     )
@@ -605,7 +630,7 @@ def find_recompute_candidates(
         layer_boundary=layer_boundary,
         dims=resolved_dims,
         dims_source=dims_source,
-        notes=_dims_notes(resolved_dims, dims_source, partition.stashed),
+        notes=notes + _dims_notes(resolved_dims, partition.stashed),
         positions=analysis.positions,
     )
 
