@@ -186,6 +186,8 @@ def export_with_custom_ops(
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", category=FutureWarning)
+            # Exporting in training mode is the point: the graph is for training.
+            warnings.filterwarnings("ignore", message="Exporting a model while it is in training mode")
             program = torch.onnx.export(
                 module,
                 tuple(args),
