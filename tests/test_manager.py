@@ -443,10 +443,5 @@ def test_importing_the_manager_and_the_command_does_not_start_onnxruntime():
     assert "onnxruntime" not in _modules_after_import("import ortpass, ortpass.manager, ortpass.cli")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ortpass.passes/__init__ imports pythonop_shape_inference -> ortpass.export/__init__ -> "
-    "ortpass.export.torchscript -> torch; remove this marker once that chain imports torch lazily",
-)
 def test_importing_ortpass_does_not_import_torch():
     assert "torch" not in _modules_after_import("import ortpass")

@@ -1,5 +1,30 @@
-"""The torch side: export a module with its loss to ONNX for training."""
+"""The torch side: export a module with its loss to ONNX for training, and the registries
+that say how ``torch.autograd.Function``s export (``register_exporter``), what shapes their
+outputs have (``register_shape_inferer``) and which of them may run (``register_function``).
 
-from ortpass.export.torchscript import export
+Names load on first use: the shape-inferer registry is read by a pass that must not pull
+torch into ``import ortpass``.
+"""
 
-__all__ = ["export"]
+import importlib
+
+__all__ = ["export", "register_exporter", "register_function", "register_shape_inferer"]
+
+_LAZY = {
+    "export": "ortpass.export.torchscript",
+    "register_exporter": "ortpass.export.pythonop",
+    "register_shape_inferer": "ortpass.export.shape_inference",
+    "register_function": "ortpass.runtime.bridge",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'ortpass.export' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
