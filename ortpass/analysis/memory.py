@@ -189,6 +189,8 @@ def bind_internal_dims(model: ir.Model, dims: Mapping[str, int], wanted: Iterabl
             if dim.HasField("dim_param") and dim.dim_param in dims:
                 dim.dim_value = int(dims[dim.dim_param])
     del proto.graph.value_info[:]
+    for value_info in proto.graph.output:  # declared output shapes would win over inferred ones
+        value_info.type.tensor_type.ClearField("shape")
     try:
         inferred = onnx.shape_inference.infer_shapes(proto, data_prop=True)
     except Exception as exc:  # onnx raises several types; any of them means "no bindings"
@@ -196,7 +198,7 @@ def bind_internal_dims(model: ir.Model, dims: Mapping[str, int], wanted: Iterabl
         return {}
     concrete = {
         vi.name: [d.dim_value if d.HasField("dim_value") else None for d in vi.type.tensor_type.shape.dim]
-        for vi in inferred.graph.value_info
+        for vi in [*inferred.graph.value_info, *inferred.graph.output]
     }
     bindings: dict[str, int] = {}
     conflicting: set[str] = set()

@@ -1,0 +1,84 @@
+"""Symbolic sizes and buffer aliasing (ortpass.analysis.memory)."""
+
+import onnx
+import onnx.helper as oh
+import onnx_ir as ir
+import sympy
+
+from ortpass.analysis.memory import (
+    BufferMap,
+    bind_internal_dims,
+    dim_symbol,
+    evaluate,
+    static_numel,
+    symbolic_nbytes,
+)
+
+
+def _value(shape, dtype=ir.DataType.FLOAT, name="v"):
+    return ir.Value(name=name, shape=ir.Shape(shape), type=ir.TensorType(dtype))
+
+
+def test_bytes_over_dim_params():
+    batch, seq = dim_symbol("batch"), dim_symbol("seq")
+    assert symbolic_nbytes(_value(["batch", "seq", 64])) == 256 * batch * seq
+    assert symbolic_nbytes(_value(["batch", 8], ir.DataType.FLOAT16)) == 16 * batch
+    assert symbolic_nbytes(_value([3, 5], ir.DataType.BOOL)) == 15
+    assert symbolic_nbytes(_value([4, 3], ir.DataType.INT4)) == 6  # half a byte each
+
+
+def test_expression_dim_params_and_unknown_dims():
+    s0, s1 = dim_symbol("s0"), dim_symbol("s1")
+    assert symbolic_nbytes(_value(["s0*s1", 2])) == 8 * s0 * s1
+    expr = symbolic_nbytes(_value([None, 2], name="x"))
+    assert expr == 8 * dim_symbol("unk__x_0")
+    assert evaluate(expr, {"batch": 4}) is None  # never guessed
+
+
+def test_unknown_rank_or_type_has_no_size():
+    assert symbolic_nbytes(ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT))) is None
+    assert symbolic_nbytes(ir.Value(name="x", shape=ir.Shape([2]))) is None
+
+
+def test_evaluate_and_static_numel():
+    expr = 640 * dim_symbol("a") * dim_symbol("b") ** 2
+    assert evaluate(expr, {"a": 2, "b": 3}) == 640 * 2 * 9
+    assert evaluate(expr, {"a": 2}) is None
+    assert evaluate(sympy.Integer(12), None) == 12
+    assert static_numel(_value([2, 3])) == 6 and static_numel(_value(["b", 3])) is None
+
+
+def _chain():
+    x = _value(["b", 4, 8], name="x")
+    transpose = ir.node("Transpose", [x], attributes={"perm": [0, 2, 1]})
+    shape = ir.Value(name="shape")
+    reshape = ir.node("Reshape", [transpose.outputs[0], shape])
+    squeeze = ir.node("Unsqueeze", [reshape.outputs[0], shape])
+    split = ir.node("Split", [squeeze.outputs[0]], num_outputs=2)
+    return x, transpose, reshape, squeeze, split
+
+
+def test_views_resolve_to_the_buffer_they_alias():
+    x, transpose, reshape, squeeze, split = _chain()
+    buffers = BufferMap()
+    real = transpose.outputs[0]
+    assert buffers.root(squeeze.outputs[0]) is real  # Unsqueeze of Reshape of the Transpose
+    assert buffers.root(reshape.outputs[0]) is real
+    assert buffers.root(real) is real  # Transpose copies: its own buffer
+    assert buffers.root(split.outputs[1]) is split.outputs[1]  # Split copies too
+    assert buffers.is_view(reshape.outputs[0]) and not buffers.is_view(real)
+
+
+def test_internal_dims_are_bound_by_shape_inference_at_concrete_dims():
+    # Shape inference cannot name Reshape's output dims over the inputs; at batch=3 they are known.
+    shape = oh.make_tensor("shape", onnx.TensorProto.INT64, [2], [-1, 8])
+    graph = oh.make_graph(
+        [oh.make_node("Reshape", ["x", "shape"], ["y"], name="r")],
+        "g",
+        [oh.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["batch", 16])],
+        [oh.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["unk__0", 8])],
+        [shape],
+    )
+    model = ir.from_proto(oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)]))
+    assert bind_internal_dims(model, {"batch": 3}, {"unk__0"}) == {"unk__0": 6}
+    assert bind_internal_dims(model, {"batch": 3}, set()) == {}
