@@ -165,6 +165,8 @@ def pythonop_export_context(*, training: bool = True) -> Iterator[None]:
     On exit, torch's symbolic registry is restored to what it was, so nothing leaks
     between exports.
     """
+    # torch.onnx has no public getter for a registered symbolic; the registry module is the
+    # only way to see (and so restore) one that someone registered before us.
     from torch.onnx._internal.torchscript_exporter import registration
 
     group = registration.registry.get_function_group(_SYMBOLIC_NAME)
