@@ -1,8 +1,10 @@
-"""The ``ortpass`` command: optimize a model with a pipeline, list the passes, report on a model.
+"""The ``ortpass`` command: optimize a model with a pipeline, list the passes, report on a
+model, check golden models.
 
 Exit codes: 0 success; 2 bad usage or bad input (a file that is not a model, a bad pipeline,
 a set of passes that cannot be ordered, an output that would overwrite the input); 1 a pass
-failed (the message names the pass and the reason; nothing is written).
+failed (the message names the pass and the reason; nothing is written), or a golden model
+no longer matches its expectations.
 
 The report table goes to stdout; progress and diagnostics go through ``logging`` to stderr
 (``-v`` for more, ``-q`` for less).
@@ -85,6 +87,12 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("--probe-level", type=int, default=1, metavar="N", help="recompute probe level, as ORT's (default 1)")
     report.add_argument("--layer-boundary", action="store_true", help="group candidates by layer boundary")
     report.set_defaults(run=_report)
+
+    golden = commands.add_parser("golden", help="check golden models against their recorded expectations, or update them")
+    golden.add_argument("action", choices=("check", "update"), help="check: re-run and diff; update: rewrite the expectations")
+    golden.add_argument("names", nargs="*", metavar="NAME", help="golden models to run (default: all)")
+    golden.add_argument("--dir", default="golden_models", metavar="DIR", help="directory of golden case files (default: golden_models)")
+    golden.set_defaults(run=_golden)
     return parser
 
 
@@ -262,3 +270,31 @@ def _format_summary(path: str, s: dict[str, Any]) -> str:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+# -- golden ---------------------------------------------------------------------------
+
+
+def _golden(args: argparse.Namespace) -> int:
+    from ortpass import golden  # imports torch: only this command needs it
+
+    try:
+        if args.action == "update":
+            for path in golden.update(args.dir, args.names):
+                print(f"wrote {path}")
+            return 0
+        results = golden.check(args.dir, args.names)
+    except (KeyError, FileNotFoundError) as exc:
+        raise UsageError(str(exc).strip('"')) from exc
+    failed = 0
+    for result in results:
+        if result.ok:
+            print(f"{result.name}: ok")
+            continue
+        failed += 1
+        print(f"{result.name}: {len(result.differences)} differences")
+        for line in result.differences:
+            print(f"  {line}")
+    if failed:
+        print(f"{failed} of {len(results)} golden models differ; if the change is intended, run `ortpass golden update NAME`")
+    return 1 if failed else 0
