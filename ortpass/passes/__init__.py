@@ -2,7 +2,9 @@
 
 from ortpass.passes.base import CREATED_BY_KEY, OrtFunctionalPass, OrtPass
 from ortpass.passes.build_training_graph import BuildTrainingGraphPass
+from ortpass.passes.fix_dropout_seed import FixDropoutSeedPass
 from ortpass.passes.insert_gather_before_sce_loss import InsertGatherBeforeSceLossPass
 from ortpass.passes.pythonop_shape_inference import PythonOpShapeInferencePass
+from ortpass.passes.recompute import RecomputePass
 
-__all__ = ["BuildTrainingGraphPass", "InsertGatherBeforeSceLossPass", "PythonOpShapeInferencePass", "CREATED_BY_KEY", "OrtFunctionalPass", "OrtPass"]
+__all__ = ["BuildTrainingGraphPass", "FixDropoutSeedPass", "RecomputePass", "InsertGatherBeforeSceLossPass", "PythonOpShapeInferencePass", "CREATED_BY_KEY", "OrtFunctionalPass", "OrtPass"]

@@ -1,0 +1,375 @@
+"""Recompute: clone the cheap subgraphs behind stashed activations into backward.
+
+A training step keeps every forward value that backward reads (a *stashed activation*)
+alive from the moment forward computes it until backward last reads it.  When the value is
+cheap to compute again from values that stay alive anyway, backward can read a copy
+computed on the spot instead, and the forward value dies as soon as forward is done with
+it.  :func:`ortpass.analysis.find_recompute_candidates` finds those subgraphs and names
+them in plans (``<cluster>:<type>:<count>``, ORTModule's format); this pass applies plans.
+
+Which plans, as ORTModule's ``ORTMODULE_MEMORY_OPT_LEVEL``:
+
+- level 0: the plans given (strings, a list, or a JSON file holding a list of strings);
+- level 1: every type-1 plan of the layer-wise analysis (``layer_boundary=True``: only
+  subgraphs inside detected transformer layers, each layer's input kept);
+- level 2: level 1 plus the compromise (type-2) plans.
+
+Execution order.  ONNX Runtime picks its own order; what 1.19.2 honours was measured (ORT
+profiling, a 2-layer decoder with 33 single-node clones):
+
+- ``ExecutionOrder.DEFAULT`` (what every session uses unless told otherwise) is a
+  post-order depth-first walk from the graph outputs: a node runs when the walk first
+  needs it.  A clone, read only by backward nodes, runs right before its first backward
+  consumer (median 1 node before it, at most 13), which is what frees the memory;
+- ``PRIORITY_BASED`` is Kahn's algorithm on ``Node::Priority()`` then node index.  The
+  priority ORT's own optimizer gives its clones exists only inside ORT (no ONNX field
+  carries it), and neither ``__backwardpass`` nor ``__critical_execution_order``
+  attributes change 1.19.2's order: clones then run during forward (median 99 nodes
+  before their consumer) and recompute saves nothing.  Do not use it with this pass.
+
+So the hint that works is the graph itself: clones are read only by backward, and they
+are placed in graph order right before their first backward consumer, which also makes
+any runtime that follows graph order (or Kahn's algorithm with the lowest index first)
+run them there.  ``benchmarks/recompute_memory.py`` measures the resulting peak memory.
+
+ORT's own optimizers can undo the rewrite: common subexpression elimination merges a clone
+back into its original (``TrainingSession`` disables it), and SkipLayerNormFusion fuses an
+``Add`` whose only remaining consumer is a LayerNormalization and drops that LayerNorm's
+mean and inverse-std outputs that backward reads.  See :data:`ORT_OPTIMIZERS_TO_DISABLE`.
+
+Dropout: the clone of a Dropout must draw the forward's mask, which holds only when the
+Dropout has a ``seed`` attribute (each kernel then owns a generator seeded alike and both
+advance once per step).  :class:`~ortpass.passes.fix_dropout_seed.FixDropoutSeedPass`
+seeds them; this pass requires ``"dropout-seeds-fixed"`` and refuses to clone an unseeded
+Dropout.  A step that runs forward without backward (fetching only the loss) advances the
+forward generator alone and desynchronizes the two for later steps.
+
+PythonOps whose Function is registered as recomputable are cloned with their RNG state
+replayed (:mod:`ortpass.passes.recompute_pythonop`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Iterable, Sequence
+
+import onnx_ir as ir
+
+from ortpass.analysis.partition import get_partition, tag
+from ortpass.analysis.plans import PlanSpec, PlanType, load_plan_file, parse_plans
+from ortpass.analysis.recomputable_ops import MS_DOMAIN, ProbeLevel
+from ortpass.analysis.recompute import Occurrence, RecomputeReport, find_recompute_candidates
+from ortpass.errors import PlanError
+from ortpass.passes import recompute_pythonop
+from ortpass.passes.base import CREATED_BY_KEY, OrtPass
+from ortpass.registry import register_pass
+
+__all__ = [
+    "AppliedPlan",
+    "DROPOUT_OPS",
+    "LEVELS",
+    "ORT_OPTIMIZERS_TO_DISABLE",
+    "RECOMPUTE_OF_KEY",
+    "RECOMPUTE_SUFFIX",
+    "RecomputePass",
+    "RecomputeSelection",
+    "is_dropout",
+]
+
+logger = logging.getLogger(__name__)
+
+RECOMPUTE_SUFFIX = "_recompute"
+#: Node metadata on a clone: the name of the node it recomputes.
+RECOMPUTE_OF_KEY = "pkg.ortpass.recompute_of"
+
+LEVELS = (0, 1, 2)
+
+#: ONNX Runtime session transformers that undo or break a recomputed graph (measured on
+#: 1.19.2).  Pass them as ``disabled_optimizers`` when creating a session.
+ORT_OPTIMIZERS_TO_DISABLE = ("CommonSubexpressionElimination", "SkipLayerNormFusion")
+
+#: (domain, op type) of the dropouts whose clone must replay the forward's mask.
+DROPOUT_OPS = frozenset(
+    {
+        ("", "Dropout"),
+        (MS_DOMAIN, "BitmaskDropout"),
+        (MS_DOMAIN, "BiasDropout"),
+        (MS_DOMAIN, "BitmaskBiasDropout"),
+        (MS_DOMAIN, "BiasSoftmaxDropout"),
+    }
+)
+
+
+def is_dropout(node: ir.Node) -> bool:
+    domain = "" if node.domain == "ai.onnx" else node.domain
+    return (domain, node.op_type) in DROPOUT_OPS
+
+
+@dataclasses.dataclass(frozen=True)
+class AppliedPlan:
+    """One plan as applied: how many occurrences were asked for and rewritten, and the
+    saving the analysis expects (bytes at the analysis dims, and symbolically)."""
+
+    plan: str
+    requested: int  # -1: every occurrence
+    applied: int
+    saving_bytes: int | None
+    symbolic_saving: str
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class RecomputeSelection:
+    """Which recompute occurrences a set of plan options selects in a training graph.
+
+    Shared by :class:`RecomputePass` and ``FixDropoutSeedPass`` so that the dropouts seeded
+    are exactly those that will be cloned.  Options are validated here, at construction:
+    a bad plan string, a missing plan file or bad JSON raises
+    :class:`~ortpass.errors.PlanError` before any model is touched.
+    """
+
+    def __init__(
+        self,
+        plans: str | PlanSpec | Sequence[str | PlanSpec] | None = None,
+        *,
+        level: int = 0,
+        config_file: str | os.PathLike | None = None,
+        probe_level: int = ProbeLevel.ADVANCED,
+        min_elements: int | None = None,
+    ) -> None:
+        if level not in LEVELS:
+            raise ValueError(f"recompute level must be one of {LEVELS}, not {level!r}")
+        given = parse_plans(plans)
+        if config_file is not None:
+            given += load_plan_file(config_file)
+        if level > 0 and given:
+            raise PlanError(
+                f"level {level} selects every detected plan itself; give plans or a config file "
+                f"only with level=0 (got {', '.join(map(str, given))})"
+            )
+        self.plans: list[PlanSpec] = given
+        self.level = level
+        self.probe_level = probe_level
+        self.min_elements = min_elements
+
+    @property
+    def empty(self) -> bool:
+        """True when these options can select nothing in any graph."""
+        return self.level == 0 and not any(p.type != PlanType.NONE for p in self.plans)
+
+    def select(self, model: ir.Model) -> tuple[RecomputeReport, list[PlanSpec], list[Occurrence]]:
+        """Analyse ``model`` (read only); the plans in force and the occurrences they select."""
+        limits = {} if self.min_elements is None else {"min_elements": self.min_elements}
+        report = find_recompute_candidates(
+            model, probe_level=self.probe_level, layer_boundary=self.level > 0, **limits
+        )
+        if self.level == 0:
+            specs = self.plans
+        else:
+            types = (PlanType.RECOMPUTE,) if self.level == 1 else (PlanType.RECOMPUTE, PlanType.RECOMPUTE_WITH_COMPROMISE)
+            specs = [record.spec for record in report.plans if record.type in types]
+        return report, specs, report.select(specs)
+
+    def __repr__(self) -> str:
+        plans = ",".join(map(str, self.plans))
+        return f"RecomputeSelection(plans={plans!r}, level={self.level}, probe_level={self.probe_level})"
+
+
+@register_pass("recompute")
+class RecomputePass(OrtPass):
+    """Clone the subgraph behind each selected stashed activation into backward.
+
+    Rule: for every occurrence the plans select (see :class:`RecomputeSelection`), each node
+    of its subgraph is cloned once, in topological order, as ``<name>_recompute`` with
+    outputs ``<output>_recompute``.  A clone reads the clone of an input's producer where
+    that producer is cloned too, else the forward value itself.  Then every *backward*
+    consumer of a cloned node's output reads the clone's output instead; forward consumers
+    and graph outputs keep the original.  Clones are tagged ``backward`` and placed in
+    graph order right before their first backward consumer (the execution-order hint, see
+    the module docstring).  Subgraphs of several occurrences that share nodes share clones.
+
+    Refuses (model unchanged) to clone a Dropout without a ``seed`` attribute: run
+    ``FixDropoutSeedPass`` with the same options first (the pass manager does, from the
+    ``"dropout-seeds-fixed"`` requirement).
+
+    Statistics: ``plans applied``, ``occurrences recomputed``, ``nodes cloned``,
+    ``expected saving bytes`` counters; an ``applied`` note per plan (:class:`AppliedPlan`);
+    also kept in :attr:`applied` after a run.
+    """
+
+    phase = "post-grad"
+    requires_properties = frozenset({"dropout-seeds-fixed"})
+    provides_properties = frozenset({"recomputed"})
+
+    def __init__(
+        self,
+        plans: str | PlanSpec | Sequence[str | PlanSpec] | None = None,
+        *,
+        level: int = 0,
+        config_file: str | os.PathLike | None = None,
+        probe_level: int = ProbeLevel.ADVANCED,
+        min_elements: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.selection = RecomputeSelection(
+            plans, level=level, config_file=config_file, probe_level=probe_level, min_elements=min_elements
+        )
+        self.applied: list[AppliedPlan] = []
+
+    def __repr__(self) -> str:
+        return f"RecomputePass({self.selection!r})"
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        self.applied = []
+        if self.selection.empty:
+            return ir.passes.PassResult(model, modified=False)
+        report, specs, occurrences = self.selection.select(model)
+        nodes = _nodes_to_clone(model, occurrences)
+        _check_dropouts_seeded(nodes)
+        recompute_pythonop.check_pythonops(nodes)
+        if not nodes:
+            logger.info("recompute: no occurrence of %s in this graph", ",".join(map(str, specs)) or "any plan")
+            return ir.passes.PassResult(model, modified=False)
+
+        clones = _Cloner(model).clone(nodes)
+        _place_clones(model.graph, clones)
+        self._record(specs, occurrences, report, len(clones))
+        return ir.passes.PassResult(model, modified=True)
+
+    def _record(self, specs: Sequence[PlanSpec], occurrences: Sequence[Occurrence], report, cloned: int) -> None:
+        by_plan: dict[tuple[str, int], list[Occurrence]] = {}
+        for occ in occurrences:
+            by_plan.setdefault((occ.cluster, int(occ.type)), []).append(occ)
+        for spec in specs:
+            applied = by_plan.get((spec.cluster, int(spec.type)), [])
+            savings = [o.saving_bytes for o in applied]
+            record = AppliedPlan(
+                plan=str(spec),
+                requested=spec.count,
+                applied=len(applied),
+                saving_bytes=None if None in savings else sum(savings),  # type: ignore[arg-type]
+                symbolic_saving=str(sum((o.symbolic_saving for o in applied), start=0)),
+            )
+            self.applied.append(record)
+            self.note("applied", record.to_dict())
+            if applied:
+                self.count("plans applied")
+                self.count("occurrences recomputed", len(applied))
+        self.count("nodes cloned", cloned)
+        known = [a.saving_bytes for a in self.applied if a.saving_bytes is not None]
+        self.count("expected saving bytes", sum(known))
+        logger.info("recompute: %s", "; ".join(f"{a.plan} x{a.applied}" for a in self.applied))
+
+
+def _nodes_to_clone(model: ir.Model, occurrences: Iterable[Occurrence]) -> list[ir.Node]:
+    """The union of the occurrences' subgraphs, in graph (topological) order."""
+    wanted = {node for occ in occurrences for node in occ.nodes}
+    return [node for node in model.graph if node in wanted]
+
+
+def _check_dropouts_seeded(nodes: Iterable[ir.Node]) -> None:
+    unseeded = [n.name for n in nodes if is_dropout(n) and "seed" not in n.attributes]
+    if unseeded:
+        raise ir.passes.PreconditionError(
+            f"recompute would clone dropout node(s) {unseeded} that have no 'seed' attribute, so "
+            "the clone would draw a different mask than forward; run FixDropoutSeedPass "
+            "('fix-dropout-seed') with the same plan options first"
+        )
+
+
+class _Cloner:
+    """Creates the clones and moves backward consumers onto them."""
+
+    def __init__(self, model: ir.Model) -> None:
+        self.model = model
+        self.partition = get_partition(model)
+        self.taken = _value_names(model.graph) | {n.name for n in model.graph if n.name}
+
+    def unique(self, name: str) -> str:
+        candidate, k = name, 1
+        while candidate in self.taken:
+            candidate, k = f"{name}_{k}", k + 1
+        self.taken.add(candidate)
+        return candidate
+
+    def clone(self, nodes: Sequence[ir.Node]) -> list[ir.Node]:
+        """Clone ``nodes`` (topological order); returns the clones in the same order."""
+        clone_of: dict[ir.Value, ir.Value] = {}  # forward value -> the value of its clone
+        clones: list[ir.Node] = []
+        for node in nodes:
+            inputs = [clone_of.get(v, v) if v is not None else None for v in node.inputs]
+            if recompute_pythonop.is_pythonop(node):
+                original, clone = recompute_pythonop.clone_with_rng_replay(self.model.graph, node, inputs, self)
+            else:
+                original, clone = node, self.new_clone(node, inputs)
+            clones.append(clone)
+            for old, new in zip(original.outputs, clone.outputs):
+                clone_of[old] = new
+        backward = {id(n) for n in self.partition.backward}
+        clone_ids = {id(c) for c in clones}
+        for old, new in clone_of.items():
+            for user, index in list(old.uses()):
+                if id(user) in backward and id(user) not in clone_ids:
+                    user.replace_input_with(index, new)
+        return clones
+
+    def new_clone(self, node: ir.Node, inputs: Sequence[ir.Value | None], *, num_outputs: int | None = None,
+                  attributes: Iterable[ir.Attr] | None = None) -> ir.Node:
+        """A backward-tagged copy of ``node`` reading ``inputs``, outputs renamed."""
+        attrs = node.attributes.values() if attributes is None else attributes
+        clone = ir.Node(
+            node.domain,
+            node.op_type,
+            inputs,
+            attributes=[_copy_attr(a) for a in attrs],
+            overload=node.overload,
+            num_outputs=num_outputs if num_outputs is not None else len(node.outputs),
+            version=node.version,
+            name=self.unique(f"{node.name or node.op_type}{RECOMPUTE_SUFFIX}"),
+        )
+        for old, new in zip(node.outputs, clone.outputs):
+            if old.name:
+                new.name = self.unique(f"{old.name}{RECOMPUTE_SUFFIX}")
+            new.type = old.type
+            new.shape = old.shape.copy() if old.shape is not None else None
+        tag(clone, "backward")
+        clone.metadata_props[RECOMPUTE_OF_KEY] = node.name or ""
+        clone.metadata_props[CREATED_BY_KEY] = RecomputePass.name
+        return clone
+
+
+def _copy_attr(attr: ir.Attr) -> ir.Attr:
+    if attr.is_ref():  # a function's attribute reference: nothing of its own to copy
+        return attr
+    return ir.Attr(attr.name, attr.type, attr.value, doc_string=attr.doc_string)
+
+
+def _value_names(graph: ir.Graph) -> set[str]:
+    names = {v.name for v in graph.inputs if v.name}
+    names.update(graph.initializers)
+    names.update(v.name for node in graph for v in node.outputs if v.name)
+    return names
+
+
+def _place_clones(graph: ir.Graph, clones: list[ir.Node]) -> None:
+    """Insert each clone right before the first node (in graph order) that needs it.
+
+    A clone's *anchor* is its first backward consumer in graph order, or the earliest
+    anchor among the clones reading it.  Inserting clones in topological order before their
+    anchors keeps the graph topologically sorted: a producer's anchor is never later than
+    its consumers'.
+    """
+    position = {node: i for i, node in enumerate(graph)}
+    members = set(clones)
+    anchor: dict[ir.Node, ir.Node] = {}
+    for clone in reversed(clones):
+        users = [user for out in clone.outputs for user, _ in out.uses()]
+        candidates = [anchor[u] if u in members else u for u in users]
+        if not candidates:
+            raise AssertionError(f"clone {clone.name} has no consumer; the rewiring missed it")
+        anchor[clone] = min(candidates, key=position.__getitem__)
+    for clone in clones:
+        graph.insert_before(anchor[clone], clone)

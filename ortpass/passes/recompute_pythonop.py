@@ -1,0 +1,258 @@
+"""The PythonOp part of the recompute rewrite: replay the forward's randomness in the clone.
+
+A ``com.microsoft::PythonOp`` runs a ``torch.autograd.Function`` through the torch bridge
+(:mod:`ortpass.runtime.bridge`).  A FlashAttention-like Function draws its dropout mask from
+torch's global generator and keeps its inputs in its ``ctx`` for backward.  Recomputing it
+(ORT PR #20603, ``shared/reference/ort-training-facts.md`` section 3) means:
+
+- the forward node runs in inference mode (``training_mode`` 0): torch keeps no graph and
+  no saved tensors for it; it gains two uint8 outputs, the CPU and the device generator
+  state taken right before the Function ran (the device state is empty without CUDA);
+- the clone reads the same inputs plus those two states, runs in training mode with the
+  generators set to the saved states (and restored afterwards, so the rest of the step
+  sees the generator stream it would have seen without recompute), and its ``ctx`` is the
+  one ``PythonOpGrad`` reads.
+
+The bridge dispatches on ``func_name`` only, so the two behaviours are two derived
+Functions registered with it: ``<this module>.SaveRngState[<func_name>]`` and
+``<this module>.ReplayRngState[<func_name>]``.  The rewrite registers them; a process that
+loads such a model from a file calls :func:`register_rng_replay_functions` first.
+
+Only Functions registered with
+:func:`ortpass.analysis.recomputable_ops.register_recomputable_function` reach this module
+(the analysis grows subgraphs through no other PythonOp).  Torch is imported only when a
+PythonOp is actually rewritten.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import TYPE_CHECKING, Iterable, Sequence
+
+import onnx_ir as ir
+
+from ortpass.analysis.recomputable_ops import MS_DOMAIN
+from ortpass.errors import UnregisteredFunctionError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ortpass.passes.recompute import _Cloner
+
+__all__ = [
+    "RNG_STATE_SUFFIXES",
+    "SAVE_PREFIX",
+    "REPLAY_PREFIX",
+    "check_pythonops",
+    "clone_with_rng_replay",
+    "is_pythonop",
+    "register_rng_replay_functions",
+    "rng_replay_functions",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Names of the two state outputs, appended to the PythonOp's first tensor output name.
+RNG_STATE_SUFFIXES = ("_rng_state_cpu", "_rng_state_device")
+SAVE_PREFIX = f"{__name__}.SaveRngState"
+REPLAY_PREFIX = f"{__name__}.ReplayRngState"
+_DERIVED = re.compile(rf"^(?:{re.escape(SAVE_PREFIX)}|{re.escape(REPLAY_PREFIX)})\[(?P<inner>.+)\]$")
+
+_UINT8 = ir.DataType.UINT8.value
+_STATE_COUNT = len(RNG_STATE_SUFFIXES)
+
+
+def is_pythonop(node: ir.Node) -> bool:
+    return node.domain == MS_DOMAIN and node.op_type == "PythonOp"
+
+
+def _func_name(node: ir.Node) -> str:
+    attr = node.attributes.get("func_name")
+    return attr.as_string() if attr is not None else ""
+
+
+def check_pythonops(nodes: Iterable[ir.Node]) -> None:
+    """Refuse (before any change) PythonOps whose Function the bridge cannot run."""
+    pythonops = [n for n in nodes if is_pythonop(n)]
+    for node in pythonops:
+        if _DERIVED.match(_func_name(node)):
+            raise ir.passes.PreconditionError(f"PythonOp {node.name!r} is already recomputed ({_func_name(node)})")
+        if node.attributes.get("training_mode") is None or node.attributes["training_mode"].as_int() != 1:
+            raise ir.passes.PreconditionError(f"PythonOp {node.name!r} is not in training mode; nothing to recompute")
+    if pythonops:
+        from ortpass.runtime import bridge
+
+        known = bridge.registered_functions()
+        for node in pythonops:
+            if _func_name(node) not in known:
+                raise UnregisteredFunctionError(
+                    f"PythonOp {node.name!r} calls {_func_name(node)!r}, which is not registered with the torch "
+                    "bridge; register it (ortpass.runtime.bridge.register_function) before recomputing it"
+                )
+
+
+def rng_replay_functions(func_name: str) -> tuple[type, type]:
+    """The (save, replay) Functions derived from the registered Function ``func_name``,
+    created and registered with the bridge on first use."""
+    from ortpass.runtime import bridge
+
+    inner = bridge.registered_functions().get(func_name)
+    if inner is None:
+        raise UnregisteredFunctionError(f"autograd Function {func_name!r} is not registered with the torch bridge")
+    derived = bridge.registered_functions()
+    save_name, replay_name = f"{SAVE_PREFIX}[{func_name}]", f"{REPLAY_PREFIX}[{func_name}]"
+    if derived.get(save_name) is not None and derived[save_name].inner is inner:
+        return derived[save_name], derived[replay_name]
+    base_save, base_replay = _base_classes()
+    save = _derive(base_save, "SaveRngState", func_name, inner)
+    replay = _derive(base_replay, "ReplayRngState", func_name, inner)
+    bridge.register_function(save)
+    bridge.register_function(replay)
+    return save, replay
+
+
+def register_rng_replay_functions(model: ir.Model) -> list[str]:
+    """Register the derived Functions a recomputed model names (for a model loaded from a
+    file in a new process; the inner Functions must be registered already)."""
+    names = []
+    for node in model.graph.all_nodes():
+        match = _DERIVED.match(_func_name(node)) if is_pythonop(node) else None
+        if match:
+            rng_replay_functions(match.group("inner"))
+            names.append(_func_name(node))
+    return names
+
+
+def _derive(base: type, kind: str, func_name: str, inner: type) -> type:
+    qualname = f"{kind}[{func_name}]"
+    return type(qualname, (base,), {"__module__": __name__, "__qualname__": qualname, "inner": inner})
+
+
+_BASES: tuple[type, type] | None = None
+
+
+def _base_classes() -> tuple[type, type]:
+    """The two base Functions (defined on first use: they need torch)."""
+    global _BASES
+    if _BASES is None:
+        _BASES = _define_base_classes()
+    return _BASES
+
+
+def _define_base_classes() -> tuple[type, type]:
+    import torch
+
+    def device_states() -> torch.Tensor:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            return torch.cuda.get_rng_state()
+        return torch.empty(0, dtype=torch.uint8)
+
+    class SaveRngState(torch.autograd.Function):
+        """Run ``inner`` and also return the generator states it started from."""
+
+        inner: type
+
+        @classmethod
+        def apply(cls, *args):  # the bridge calls apply; nothing here needs autograd
+            cpu, device = torch.get_rng_state(), device_states()
+            outputs = cls.inner.apply(*args)
+            outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+            return (*outputs, cpu, device)
+
+    class ReplayRngState(torch.autograd.Function):
+        """Run ``inner`` (with autograd) from the generator states given as the last two
+        arguments, then put the generators back as they were."""
+
+        inner: type
+
+        @classmethod
+        def apply(cls, *args):
+            *inner_args, cpu, device = args
+            devices = [torch.cuda.current_device()] if device.numel() else []
+            with torch.random.fork_rng(devices=devices):
+                torch.set_rng_state(cpu.detach().cpu())
+                if devices:
+                    torch.cuda.set_rng_state(device.detach().cpu())
+                return cls.inner.apply(*inner_args)
+
+    return SaveRngState, ReplayRngState
+
+
+def _ints(node: ir.Node, name: str) -> list[int] | None:
+    attr = node.attributes.get(name)
+    return list(attr.as_ints()) if attr is not None else None
+
+
+def _with(attrs: dict[str, ir.Attr], name: str, value) -> None:
+    if isinstance(value, str):
+        attrs[name] = ir.AttrString(name, value)
+    elif isinstance(value, int):
+        attrs[name] = ir.AttrInt64(name, value)
+    else:
+        attrs[name] = ir.AttrInt64s(name, list(value))
+
+
+def clone_with_rng_replay(
+    graph: ir.Graph, node: ir.Node, inputs: Sequence[ir.Value | None], cloner: "_Cloner"
+) -> tuple[ir.Node, ir.Node]:
+    """Rewrite the forward PythonOp ``node`` to save the generator states, and create its
+    clone replaying them.  Returns (the forward node now in the graph, the clone)."""
+    func_name = _func_name(node)
+    save, replay = rng_replay_functions(func_name)
+    from ortpass.export.pythonop import qualified_name
+
+    forward = _saving_forward(node, qualified_name(save), cloner)
+    graph.insert_before(node, forward)
+    old_outputs = list(node.outputs)
+    for old, new in zip(old_outputs, forward.outputs):
+        old.replace_all_uses_with(new, replace_graph_outputs=True)
+    graph.remove(node, safe=True)
+    # The new node's values take the original names back once the original is gone.
+    for old, new in zip(old_outputs, forward.outputs):
+        new_name = old.name
+        old.name = None
+        new.name = new_name
+
+    attrs = {a.name: a for a in node.attributes.values()}
+    _with(attrs, "func_name", qualified_name(replay))
+    _with(attrs, "input_convention", _string(node, "input_convention") + "d" * _STATE_COUNT)
+    _with(attrs, "input_tensor_types", (_ints(node, "input_tensor_types") or []) + [_UINT8] * _STATE_COUNT)
+    _with(attrs, "input_tensor_ranks", (_ints(node, "input_tensor_ranks") or []) + [1] * _STATE_COUNT)
+    _with(attrs, "input_requires_grads", (_ints(node, "input_requires_grads") or []) + [0] * _STATE_COUNT)
+    states = list(forward.outputs[len(old_outputs) :])
+    clone = cloner.new_clone(forward, [*inputs, *states], num_outputs=len(old_outputs), attributes=attrs.values())
+    logger.debug("PythonOp %s recomputed as %s with replayed RNG state", node.name, clone.name)
+    return forward, clone
+
+
+def _string(node: ir.Node, name: str) -> str:
+    attr = node.attributes.get(name)
+    return attr.as_string() if attr is not None else ""
+
+
+def _saving_forward(node: ir.Node, save_name: str, cloner: "_Cloner") -> ir.Node:
+    attrs = {a.name: a for a in node.attributes.values()}
+    _with(attrs, "func_name", save_name)
+    _with(attrs, "training_mode", 0)
+    _with(attrs, "output_tensor_types", (_ints(node, "output_tensor_types") or []) + [_UINT8] * _STATE_COUNT)
+    _with(attrs, "output_tensor_ranks", (_ints(node, "output_tensor_ranks") or []) + [1] * _STATE_COUNT)
+    requires = _ints(node, "output_tensor_requires_grads")
+    if requires is not None:
+        _with(attrs, "output_tensor_requires_grads", requires + [0] * _STATE_COUNT)
+    forward = ir.Node(
+        node.domain,
+        node.op_type,
+        list(node.inputs),
+        attributes=list(attrs.values()),
+        num_outputs=len(node.outputs) + _STATE_COUNT,
+        version=node.version,
+        name=node.name,
+        metadata_props=dict(node.metadata_props),
+    )
+    for old, new in zip(node.outputs, forward.outputs):
+        new.type, new.shape = old.type, old.shape
+    first = node.outputs[1].name if len(node.outputs) > 1 and node.outputs[1].name else node.name
+    for suffix, state in zip(RNG_STATE_SUFFIXES, forward.outputs[len(node.outputs) :]):
+        state.name = cloner.unique(f"{first}{suffix}")
+        state.type = ir.TensorType(ir.DataType.UINT8)
+        state.shape = ir.Shape([None])
+    return forward
