@@ -21,6 +21,7 @@ import onnx_ir as ir
 import torch
 
 from ortpass.errors import ExportError
+from ortpass.export.pythonop import name_context_outputs
 from ortpass.metadata import EXPORT_KEY
 from ortpass.training.build import MAX_ORT_OPSET
 
@@ -74,6 +75,8 @@ def export(
     proto = _run_torchscript_export(module, args, list(input_names), loss_name, opset, dynamic_axes, density_threshold)
     _check_loss_output(proto, loss_name)
     model = ir.from_proto(proto)
+    # TorchScript names values after the symbolics ran, so ctx outputs are named here.
+    name_context_outputs(model)
     _name_unnamed_nodes(model)
     initializer_names = set(model.graph.initializers)
     params = [name for name, p in module.named_parameters() if p.requires_grad and name in initializer_names]

@@ -222,9 +222,16 @@ def clear_contexts() -> int:
     return count
 
 
-def last_runner_error() -> BaseException | None:
-    """The exception the latest failing runner raised (ORT reports only a generic error)."""
-    return _last_error
+def last_runner_error(*, clear: bool = False) -> BaseException | None:
+    """The exception the latest failing runner raised (ORT reports only a generic error).
+
+    ``clear=True`` also forgets it, so a later failure is not blamed on an old one.
+    """
+    global _last_error
+    error = _last_error
+    if clear:
+        _last_error = None
+    return error
 
 
 # -- the runners (Python side) ----------------------------------------------------------------

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import sys
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -131,7 +132,11 @@ class TrainingSession:
             import onnxruntime as ort
 
             ort.set_seed(seed)
-        values = self._session.run(self._fetch, feeds)
+        _take_runner_error()  # forget a failure from an earlier step
+        try:
+            values = self._session.run(self._fetch, feeds)
+        except Exception as exc:
+            raise OrtpassError(f"the training step failed on ONNX Runtime: {_root_cause(exc)}") from exc
         n_grads = len(self.info.gradients)
         return StepResult(
             loss=float(values[0]),
@@ -163,6 +168,20 @@ def _expose_values(proto: onnx.ModelProto, names: Sequence[str]) -> None:
         if name not in produced:
             raise OrtpassError(f"cannot fetch {name!r}: no node of the graph produces it")
         proto.graph.output.append(value_infos.get(name) or onnx.helper.make_empty_tensor_value_info(name))
+
+
+def _take_runner_error() -> BaseException | None:
+    # Only models with PythonOps load the bridge; don't import torch for the others.
+    bridge = sys.modules.get("ortpass.runtime.bridge")
+    return bridge.last_runner_error(clear=True) if bridge is not None else None
+
+
+def _root_cause(exc: BaseException) -> str:
+    """ORT reports a failing PythonOp runner only as a generic error; the bridge kept the real one."""
+    runner_error = _take_runner_error()
+    if runner_error is not None:
+        return f"a PythonOp's torch code raised {type(runner_error).__name__}: {runner_error}"
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _resolve_providers(providers, available: Sequence[str]) -> list[str]:
