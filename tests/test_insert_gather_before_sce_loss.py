@@ -38,6 +38,8 @@ def sce_model(
     log_prob: str = "unused",
     labels_dtype: int = TensorProto.INT64,
     logits_dims: list | None = None,
+    projection: str = "matmul",
+    bias_dims: list | None = None,
 ) -> ir.Model:
     """logits = MatMul(x, W); loss = SCE(logits, [Reshape](PythonOp flag)(labels)).
 
@@ -46,11 +48,22 @@ def sce_model(
     or "input" (a graph input, not known at rewrite time).
     """
     logits_dims = logits_dims or [rows, classes]
-    nodes = [oh.make_node("MatMul", ["x", "W"], ["logits"], name="matmul")]
-    weights = np.random.default_rng(0).standard_normal((hidden, classes)).astype(np.float32)
+    rng = np.random.default_rng(0)
+    weights = rng.standard_normal((hidden, classes)).astype(np.float32)
     initializers = [oh.make_tensor("W", TensorProto.FLOAT, [hidden, classes], weights.ravel())]
+    if projection == "matmul":
+        nodes = [oh.make_node("MatMul", ["x", "W"], ["logits"], name="matmul")]
+    else:  # "gemm", or "gemm-transA" (x given as [hidden, rows])
+        gemm_inputs = ["x", "W"]
+        if bias_dims is not None:
+            bias = rng.standard_normal(bias_dims).astype(np.float32)
+            initializers.append(oh.make_tensor("bias", TensorProto.FLOAT, bias_dims, bias.ravel()))
+            gemm_inputs.append("bias")
+        nodes = [oh.make_node("Gemm", gemm_inputs, ["logits"], name="matmul", transA=int(projection == "gemm-transA"))]
     inputs = [
-        oh.make_tensor_value_info("x", TensorProto.FLOAT, [*logits_dims[:-1], hidden]),
+        oh.make_tensor_value_info(
+            "x", TensorProto.FLOAT, [hidden, rows] if projection == "gemm-transA" else [*logits_dims[:-1], hidden]
+        ),
         oh.make_tensor_value_info("labels", labels_dtype, [rows]),
     ]
     outputs = [oh.make_tensor_value_info("loss", TensorProto.FLOAT, [])]
@@ -371,14 +384,17 @@ def test_forward_loss_unchanged_on_ort_at_every_opset(opset):
     np.testing.assert_allclose(forward_loss(rewritten, batch), forward_loss(original, batch), rtol=1e-5)
 
 
+@pytest.mark.parametrize("move", [False, True], ids=["before-loss", "above-projection"])
 @pytest.mark.parametrize("op", ["onnx", "internal"])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("density", [10, 50, 100])
-def test_loss_and_gradients_equal_the_original_on_ort(op, reduction, density):
+def test_loss_and_gradients_equal_the_original_on_ort(op, reduction, density, move):
     shape = dict(rows=40, classes=16, hidden=8)
     original = sce_model(op=op, reduction=reduction, flag=False, **shape)
     rewritten = sce_model(op=op, reduction=reduction, **shape)
-    assert InsertGatherBeforeSceLossPass()(rewritten).modified
+    assert InsertGatherBeforeSceLossPass(move_above_projection=move)(rewritten).modified
+    gathered = sorted(n.inputs[0].name for n in rewritten.graph if n.op_type == "ShrunkenGather")
+    assert gathered == (["labels", "x"] if move else ["labels", "logits"])
     batch = padded_batch(40, 8, 16, density)
 
     expected = TrainingSession(build_training_graph(original, params=["W"])).run(batch)
@@ -399,3 +415,64 @@ def test_int32_labels_run_on_ort():
     InsertGatherBeforeSceLossPass()(rewritten)
     batch = padded_batch(40, 8, 16, density=50, dtype=np.int32)
     np.testing.assert_allclose(forward_loss(rewritten, batch), forward_loss(original, batch), rtol=1e-5)
+
+
+# -- moving the logits' gather above the projection ---------------------------------------------------
+def gathered_inputs(model: ir.Model) -> list[str]:
+    return sorted(n.inputs[0].name for n in model.graph if n.op_type == "ShrunkenGather")
+
+
+@pytest.mark.parametrize(
+    "projection, bias_dims", [("matmul", None), ("gemm", None), ("gemm", [256]), ("gemm", [1, 256])]
+)
+def test_gather_moves_above_a_row_wise_projection(projection, bias_dims):
+    model = sce_model(projection=projection, bias_dims=bias_dims)
+    pass_ = InsertGatherBeforeSceLossPass(move_above_projection=True)
+    assert pass_(model).modified
+    assert gathered_inputs(model) == ["labels", "x"]
+    assert pass_.stats["counts"]["gathers moved above the projection"] == 1
+    projection_node = loss_node(model).inputs[0].producer()
+    assert projection_node.op_type == ("MatMul" if projection == "matmul" else "Gemm")
+    assert str(projection_node.inputs[0].shape) == "[valid_label_count_0,8]"
+    onnx.checker.check_model(ir.to_proto(model))
+    before = serialized(model)
+    assert not InsertGatherBeforeSceLossPass(move_above_projection=True)(model).modified
+    assert serialized(model) == before
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(projection="gemm", bias_dims=[32, 256]),  # a bias that differs per row
+        dict(projection="gemm-transA", bias_dims=[256]),  # rows of the product are columns of x
+    ],
+    ids=["per-row-bias", "transA"],
+)
+def test_gather_stays_below_a_projection_that_mixes_rows(kwargs):
+    model = sce_model(**kwargs)
+    assert InsertGatherBeforeSceLossPass(move_above_projection=True)(model).modified
+    assert gathered_inputs(model) == ["labels", "logits"]
+
+
+def test_gather_stays_below_a_projection_whose_output_is_used_elsewhere():
+    model = sce_model()
+    logits = model.graph.node("matmul").outputs[0]
+    model.graph.outputs.append(logits)
+    assert InsertGatherBeforeSceLossPass(move_above_projection=True)(model).modified
+    assert gathered_inputs(model) == ["labels", "logits"]
+
+
+@pytest.mark.parametrize("density", [10, 100])
+def test_gemm_with_bias_above_projection_matches_on_ort(density):
+    shape = dict(rows=40, classes=16, hidden=8, projection="gemm", bias_dims=[16])
+    original = sce_model(flag=False, **shape)
+    rewritten = sce_model(**shape)
+    InsertGatherBeforeSceLossPass(move_above_projection=True)(rewritten)
+    assert gathered_inputs(rewritten) == ["labels", "x"]
+    batch = padded_batch(40, 8, 16, density)
+    params = ["W", "bias"]
+    expected = TrainingSession(build_training_graph(original, params=params)).run(batch)
+    actual = TrainingSession(build_training_graph(rewritten, params=params)).run(batch)
+    np.testing.assert_allclose(actual.loss, expected.loss, rtol=1e-5, atol=1e-6)
+    for name in params:
+        np.testing.assert_allclose(actual.gradients[name], expected.gradients[name], rtol=1e-5, atol=1e-6)

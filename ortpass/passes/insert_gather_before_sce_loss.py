@@ -106,24 +106,39 @@ class InsertGatherBeforeSceLossPass(OrtPass):
     stay and report the density of every step when run through the torch bridge.  A flag
     whose output is a graph output or whose context output is used is kept.
 
+    With ``move_above_projection=True`` the logits' gather then moves above the MatMul or
+    Gemm that produces the logits, when that projection works row by row
+    (:mod:`ortpass.rewrite_rules.gather_before_projection`): the vocabulary projection and
+    its gradients run on the valid rows too, and the scatter that is the gather's
+    gradient covers ``rows x hidden`` instead of ``rows x vocab``.  ORT did this in a
+    separate upstream-gather transformer; on ORT's CPU kernels the gather before the loss
+    alone costs more than it saves above ~10% density (see ``benchmarks/sce_gather.py``).
+
     Statistics: counts ``losses rewritten``, ``gathers inserted``, ``flags removed``,
-    ``losses skipped``; notes ``rewritten`` (node, op, valid dim, export density when the
-    flag recorded one) and ``skipped`` (node, op, and the condition that failed).
+    ``losses skipped``, ``gathers moved above the projection``; notes ``rewritten`` (node,
+    op, valid dim, export density when the flag recorded one) and ``skipped`` (node, op,
+    and the condition that failed).
     """
 
     phase = "pre-grad"
     # Shapes recorded on the flag's output keep the label's dims connected; see _TypeSource.
     runs_after = frozenset({"pythonop-shape-inference"})
 
-    def __init__(self, *, force: bool = False, keep_flag_for_printing: bool | None = None) -> None:
+    def __init__(
+        self, *, force: bool = False, keep_flag_for_printing: bool | None = None, move_above_projection: bool = False
+    ) -> None:
         super().__init__()
         self.force = force
+        self.move_above_projection = move_above_projection
         if keep_flag_for_printing is None:
             keep_flag_for_printing = os.environ.get(PRINT_DENSITY_ENV, "0") == "1"
         self.keep_flag_for_printing = keep_flag_for_printing
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(force={self.force}, keep_flag_for_printing={self.keep_flag_for_printing})"
+        return (
+            f"{type(self).__name__}(force={self.force}, keep_flag_for_printing={self.keep_flag_for_printing}, "
+            f"move_above_projection={self.move_above_projection})"
+        )
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
@@ -147,7 +162,8 @@ class InsertGatherBeforeSceLossPass(OrtPass):
         namer = _Namer(graph)
         for candidate in candidates:
             self._rewrite(model, candidate, namer)
-        return ir.passes.PassResult(model, modified=bool(candidates) or removed > 0)
+        moved = self._move_above_projection(model) if self.move_above_projection and candidates else 0
+        return ir.passes.PassResult(model, modified=bool(candidates) or removed > 0 or moved > 0)
 
     # -- checks ---------------------------------------------------------------------------
     def _check(self, loss: ir.Node, types: _TypeSource) -> tuple[_Candidate | None, str]:
@@ -222,6 +238,17 @@ class InsertGatherBeforeSceLossPass(OrtPass):
             record["export_density"] = density
         self.note("rewritten", record)
         logger.info("gathering valid label rows before %s (%s) along %s", loss.name, loss.op_type, dim)
+
+    def _move_above_projection(self, model: ir.Model) -> int:
+        # Imported here: onnxscript's rewriter is only needed when this option is on.
+        from ortpass.rewrite_rules.gather_before_projection import gather_before_projection_rules
+
+        # The rewriter copies the replaced gather's metadata (our CREATED_BY_KEY) onto the
+        # nodes it creates and adds the rule's name.
+        moved = gather_before_projection_rules().apply_to_model(model)
+        if moved:
+            self.count("gathers moved above the projection", moved)
+        return moved
 
     def _remove_flags(self, graph: ir.Graph) -> int:
         removed = 0
