@@ -134,13 +134,14 @@ def test_matmul_transpose_reshape_is_found_with_saving_on_the_real_buffer():
     assert [s.buffer.name for s in report.stashed] == ["t"]
 
 
-def test_reshape_of_a_buffer_backward_keeps_saves_nothing():
+def test_a_buffer_and_its_stashed_reshape_are_recomputed_together():
     report = analyse(matmul_transpose_reshape_model(backward_reads_transpose=True))
-    # Recomputing the Reshape alone frees nothing: t stays alive for backward.
-    assert report.plan("Reshape+") is None
-    assert any(s.entry.name == "reshape" and "frees no memory" in s.reason for s in report.skipped)
-    # t itself is a candidate, and its buffer is counted once although r views it.
-    assert report.plan("MatMul+Transpose+").saving_bytes == 8 * 64 * 16 * 4
+    # Recomputing the Reshape alone would free nothing (t stays alive for backward), so
+    # no "Reshape+" plan: t and its view r form one candidate, t's buffer counted once.
+    assert [p.plan_string for p in report.plans] == ["MatMul+Transpose+Reshape+:1:-1"]
+    occ = report.plans[0].occurrences[0]
+    assert [v.name for v in occ.stashed] == ["t", "r"] and occ.entry.name == "transpose"
+    assert occ.saving_bytes == 8 * 64 * 16 * 4
     assert report.total_stashed_bytes == 8 * 64 * 16 * 4
 
 
@@ -151,7 +152,7 @@ def test_matmul_needs_the_advanced_probe_level():
     assert "matmul (MatMul) is not recomputable" in skip.reason
 
 
-def test_two_stashed_views_of_one_buffer_count_it_once():
+def test_two_stashed_views_of_one_buffer_are_one_candidate():
     forward = [
         oh.make_node("Gelu", ["x"], ["h"], name="gelu", domain="com.microsoft"),
         oh.make_node("Identity", ["h"], ["v1"], name="view1"),
@@ -164,10 +165,29 @@ def test_two_stashed_views_of_one_buffer_count_it_once():
         [_vi(n, F32, ["batch", 64]) for n in ("h", "v1", "v2")],
     )
     report = analyse(model)
-    plan = report.plan("Gelu+Identity+")
-    assert plan.frequency == 2
-    assert plan.saving_bytes == 8 * 64 * 4  # one buffer, not two
-    assert sorted(o.saving_bytes for o in plan.occurrences) == [0, 8 * 64 * 4]
+    # h is freed only if both views are recomputed: one candidate covers both, and counts
+    # h's buffer once.
+    assert [p.plan_string for p in report.plans] == ["Gelu+Identity+Identity+:1:-1"]
+    occ = report.plans[0].occurrences[0]
+    assert [v.name for v in occ.stashed] == ["v1", "v2"] and occ.entry.name == "view1"
+    assert occ.saving_bytes == 8 * 64 * 4
+    assert report.total_stashed_bytes == 8 * 64 * 4  # one buffer, not two
+
+
+def test_a_stashed_value_and_its_stashed_view_are_one_candidate():
+    forward = [
+        oh.make_node("Gelu", ["x"], ["h"], name="gelu", domain="com.microsoft"),
+        oh.make_node("Reshape", ["h", "shape"], ["r"], name="reshape"),
+    ]
+    shape = oh.make_tensor("shape", I64, [1], [-1])
+    model = training_graph(
+        forward, [bw("g1", "h"), bw("g2", "r")], [_vi("x", F32, ["batch", 64])],
+        [_vi("h", F32, ["batch", 64]), _vi("r", F32, [None])], [shape],
+    )
+    report = analyse(model)
+    # Recomputing the Gelu alone would leave h alive through r: never "Gelu+" alone.
+    assert [p.plan_string for p in report.plans] == ["Gelu+Reshape+:1:-1"]
+    assert report.plans[0].saving_bytes == 8 * 64 * 4
 
 
 def dropout_model(opset=17):

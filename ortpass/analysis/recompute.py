@@ -9,16 +9,18 @@ Rules (ORT's memory optimizer, ``recompute_analysis.cc``, restated; differences 
 - *Growth* is breadth-first, upward from the entry, through producers in the allow-table
   (:mod:`ortpass.analysis.recomputable_ops`), skipping each op's ignored inputs.  An input
   is a *boundary* (the clone reads the forward value) when it is a graph input, an
-  initializer or a Constant, when backward reads it anyway, or when it is all-static and
-  smaller than ``min_elements`` (ORT's floor).  A producer outside the table whose output
+  initializer or a Constant, when backward keeps its buffer anyway (it reads the value or
+  another view of the same buffer), or when it is all-static and smaller than
+  ``min_elements`` (ORT's floor).  A producer outside the table whose output
   backward does not read fails the candidate; so does growing past ``max_nodes`` (50).
 - *Size floor*: a stashed buffer that is all-static and smaller than ``min_elements``
   (1Mi elements, ORT's floor) is not worth recomputing.
 - *Aliases* (better than ORT): savings are counted on buffers (:class:`BufferMap`).  A
   stashed view (Reshape, Squeeze, ...) frees memory only if the subgraph also recomputes
   the node that produced its buffer; a subgraph ending in a view (``MatMul+Transpose+
-  Reshape+``) is found and credited with its buffer once.  When several stashed views share
-  one buffer, the first of them in execution order carries the buffer's bytes.
+  Reshape+``) is found and credited with its buffer once.  A buffer that backward keeps
+  through a view outside the candidate is a boundary; stashed views of one buffer made by
+  different nodes form one candidate (the buffer is freed only if all are recomputed).
 - *Savings* (better than ORT): the sum over every stashed output of the entry (ORT counts
   only the last one), minus what the plan newly keeps alive (compromise cut values, small
   static boundary inputs).  A candidate that saves nothing is reported as skipped.
@@ -345,10 +347,10 @@ class _Analysis:
         self._bytes_cache: dict[ir.Value, sympy.Expr | None] = {}
         # Buffers kept alive anyway: stashed buffers, graph inputs, initializers.
         self.stashed_buffers = {self.buffers.root(v) for v in partition.stashed}
-        # The first stashed view (in execution order) of each buffer carries its bytes.
-        self.buffer_owner: dict[ir.Value, ir.Value] = {}
+        # The stashed values viewing each buffer.
+        self.stashed_views: dict[ir.Value, list[ir.Value]] = collections.defaultdict(list)
         for value in partition.stashed:
-            self.buffer_owner.setdefault(self.buffers.root(value), value)
+            self.stashed_views[self.buffers.root(value)].append(value)
 
     # -- small lookups ---------------------------------------------------------------
     def lookup(self, node: ir.Node) -> RecomputableOp | None:
@@ -391,10 +393,25 @@ class _Analysis:
         return result
 
     def entries(self) -> list[tuple[ir.Node, list[ir.Value]]]:
-        grouped: dict[ir.Node, list[ir.Value]] = collections.defaultdict(list)
+        """Candidates: each node with stashed outputs, together with every other stashed
+        view of the same buffers (a buffer is freed only if all its views are recomputed).
+        The entry is the first producer in execution order; a value is in one candidate."""
+        by_producer: dict[ir.Node, list[ir.Value]] = collections.defaultdict(list)
         for value in self.partition.stashed:
-            grouped[value.producer()].append(value)  # type: ignore[index]
-        return sorted(grouped.items(), key=lambda item: self.positions[item[0]])
+            by_producer[value.producer()].append(value)  # type: ignore[index]
+        covered: set[ir.Value] = set()
+        candidates = []
+        for producer in sorted(by_producer, key=self.positions.__getitem__):
+            if all(v in covered for v in by_producer[producer]):
+                continue
+            group = dict.fromkeys(by_producer[producer])
+            for value in by_producer[producer]:
+                for view in self.stashed_views[self.buffers.root(value)]:
+                    group.update(dict.fromkeys(by_producer[view.producer()]))  # type: ignore[index]
+            outputs = sorted(group, key=lambda v: (self.positions[v.producer()], v.index()))  # type: ignore[index]
+            covered.update(outputs)
+            candidates.append((outputs[0].producer(), outputs))
+        return candidates  # type: ignore[return-value]
 
     def entry_rejection(self, entry: ir.Node, outputs: list[ir.Value]) -> str | None:
         """Why ``entry`` is not a candidate at all, or None."""
@@ -407,16 +424,26 @@ class _Analysis:
                 return "its output is a layer input (kept as the layer's checkpoint)"
         return None
 
-    def grow(self, entry: ir.Node, compromise: bool) -> _Growth | str:
-        """Grow the recompute subgraph of ``entry``; a string says why it failed."""
-        if self.lookup(entry) is None:
-            return f"{entry.op_type} is not recomputable at probe level {self.probe_level}"
-        nodes = [entry]
-        members = {entry}
+    def kept_by_backward(self, value: ir.Value, outputs: list[ir.Value]) -> bool:
+        """True when backward keeps ``value``'s buffer alive whatever this candidate does:
+        it reads ``value``, or a view of its buffer other than the candidate's ``outputs``."""
+        if value in self.stashed_set:
+            return True
+        views = self.stashed_views.get(self.buffers.root(value))
+        return bool(views) and any(v not in outputs for v in views)
+
+    def grow(self, outputs: list[ir.Value], compromise: bool) -> _Growth | str:
+        """Grow the recompute subgraph producing ``outputs``; a string says why it failed."""
+        starts = list(dict.fromkeys(v.producer() for v in outputs))
+        for start in starts:
+            if self.lookup(start) is None:  # type: ignore[arg-type]
+                return f"{start.op_type} is not recomputable at probe level {self.probe_level}"  # type: ignore[union-attr]
+        nodes = list(starts)
+        members = set(starts)
         boundary: dict[ir.Value, None] = {}
         kept: dict[ir.Value, None] = {}
         compromised = False
-        queue = collections.deque([entry])
+        queue = collections.deque(starts)
         while queue:
             node = queue.popleft()
             if compromise and _widening_cast(node):
@@ -431,7 +458,7 @@ class _Analysis:
                 if value is None:
                     continue
                 producer = value.producer()
-                if index in ignored or producer is None or value in self.stashed_set or _is_constant(producer):
+                if index in ignored or producer is None or _is_constant(producer) or self.kept_by_backward(value, outputs):
                     boundary[value] = None
                     continue
                 if producer in members:
@@ -457,16 +484,11 @@ class _Analysis:
         """Bytes freed by recomputing ``outputs`` with ``growth`` (a string: why none)."""
         members = set(growth.nodes)
         freed = sympy.Integer(0)
-        shares_a_freed_buffer = False
-        for value in outputs:
-            buffer = self.buffers.root(value)
+        # Growth passes a buffer only when every stashed view of it is among ``outputs``
+        # (see kept_by_backward), so a freed buffer is counted here and nowhere else.
+        for buffer in dict.fromkeys(self.buffers.root(v) for v in outputs):
             if buffer.producer() not in members:
                 continue  # a view of a buffer the clones read: it stays alive
-            if self.buffer_owner[buffer] is not value:
-                # Another stashed view of this buffer carries its bytes; this one is still
-                # needed, since the buffer is freed only when all its views are recomputed.
-                shares_a_freed_buffer = True
-                continue
             size = self.nbytes(buffer)
             if size is None:
                 return f"the size of {buffer.name!r} is unknown"
@@ -479,14 +501,12 @@ class _Analysis:
             if size is None:
                 return f"the size of kept value {buffer.name!r} is unknown"
             freed -= size
-        if freed == 0 and shares_a_freed_buffer:
-            return freed
         if freed == 0 or (freed.is_number and freed <= 0):
             return "it frees no memory (its outputs are views of buffers that stay alive)"
         return freed
 
     def occurrence(self, entry: ir.Node, outputs: list[ir.Value], plan_type: PlanType) -> Occurrence | str:
-        growth = self.grow(entry, compromise=plan_type == PlanType.RECOMPUTE_WITH_COMPROMISE)
+        growth = self.grow(outputs, compromise=plan_type == PlanType.RECOMPUTE_WITH_COMPROMISE)
         if isinstance(growth, str):
             return growth
         if plan_type == PlanType.RECOMPUTE_WITH_COMPROMISE and not growth.compromised:
