@@ -39,10 +39,10 @@ mean and inverse-std outputs that backward reads.  See :data:`ORT_OPTIMIZERS_TO_
 
 Dropout: the clone of a Dropout must draw the forward's mask, which holds only when the
 Dropout has a ``seed`` attribute (each kernel then owns a generator seeded alike and both
-advance once per step).  :class:`~ortpass.passes.fix_dropout_seed.FixDropoutSeedPass`
+advance once per step; ORT runs every node of the graph on every run, whatever is
+fetched, so they stay in step).  :class:`~ortpass.passes.fix_dropout_seed.FixDropoutSeedPass`
 seeds them; this pass requires ``"dropout-seeds-fixed"`` and refuses to clone an unseeded
-Dropout.  A step that runs forward without backward (fetching only the loss) advances the
-forward generator alone and desynchronizes the two for later steps.
+Dropout.
 
 PythonOps whose Function is registered as recomputable are cloned with their RNG state
 replayed (:mod:`ortpass.passes.recompute_pythonop`).
@@ -308,11 +308,10 @@ class _Cloner:
             clones.append(clone)
             for old, new in zip(original.outputs, clone.outputs):
                 clone_of[old] = new
-        backward = {id(n) for n in self.partition.backward}
         clone_ids = {id(c) for c in clones}
         for old, new in clone_of.items():
             for user, index in list(old.uses()):
-                if id(user) in backward and id(user) not in clone_ids:
+                if self.partition.is_backward(user) and id(user) not in clone_ids:
                     user.replace_input_with(index, new)
         return clones
 

@@ -11,7 +11,11 @@ torch's global generator and keeps its inputs in its ``ctx`` for backward.  Reco
 - the clone reads the same inputs plus those two states, runs in training mode with the
   generators set to the saved states (and restored afterwards, so the rest of the step
   sees the generator stream it would have seen without recompute), and its ``ctx`` is the
-  one ``PythonOpGrad`` reads.
+  one ``PythonOpGrad`` reads;
+- ``PythonOpGrad`` checks that backward returns one value per argument of the forward
+  call, and the clone's call has two more (the states): it is replaced by one whose
+  ``output_convention`` and outputs also cover them (their gradients are None, on two
+  unused outputs).
 
 The bridge dispatches on ``func_name`` only, so the two behaviours are two derived
 Functions registered with it: ``<this module>.SaveRngState[<func_name>]`` and
@@ -201,16 +205,8 @@ def clone_with_rng_replay(
     from ortpass.export.pythonop import qualified_name
 
     forward = _saving_forward(node, qualified_name(save), cloner)
-    graph.insert_before(node, forward)
     old_outputs = list(node.outputs)
-    for old, new in zip(old_outputs, forward.outputs):
-        old.replace_all_uses_with(new, replace_graph_outputs=True)
-    graph.remove(node, safe=True)
-    # The new node's values take the original names back once the original is gone.
-    for old, new in zip(old_outputs, forward.outputs):
-        new_name = old.name
-        old.name = None
-        new.name = new_name
+    _take_place(graph, node, forward)
 
     attrs = {a.name: a for a in node.attributes.values()}
     _with(attrs, "func_name", qualified_name(replay))
@@ -220,8 +216,52 @@ def clone_with_rng_replay(
     _with(attrs, "input_requires_grads", (_ints(node, "input_requires_grads") or []) + [0] * _STATE_COUNT)
     states = list(forward.outputs[len(old_outputs) :])
     clone = cloner.new_clone(forward, [*inputs, *states], num_outputs=len(old_outputs), attributes=attrs.values())
+    for user, _ in list(forward.outputs[0].uses()):
+        if user.domain == MS_DOMAIN and user.op_type == "PythonOpGrad":
+            _widen_gradient(graph, user, states)
     logger.debug("PythonOp %s recomputed as %s with replayed RNG state", node.name, clone.name)
     return forward, clone
+
+
+def _widen_gradient(graph: ir.Graph, grad: ir.Node, states: Sequence[ir.Value]) -> None:
+    """Replace ``grad`` (a PythonOpGrad) by one that also accounts for the state arguments.
+
+    PythonOpGrad checks that backward returns one value per argument of the forward call
+    (its ``output_convention``), and the clone's call has the two states as extra tensor
+    arguments; their gradients come back as None and land on two unused outputs.
+    """
+    attrs = {a.name: a for a in grad.attributes.values()}
+    _with(attrs, "output_convention", _string(grad, "output_convention") + "d" * _STATE_COUNT)
+    _with(attrs, "output_tensor_types", (_ints(grad, "output_tensor_types") or []) + [_UINT8] * _STATE_COUNT)
+    _with(attrs, "output_tensor_ranks", (_ints(grad, "output_tensor_ranks") or []) + [1] * _STATE_COUNT)
+    _with(attrs, "output_tensor_requires_grads", (_ints(grad, "output_tensor_requires_grads") or []) + [0] * _STATE_COUNT)
+    widened = ir.Node(
+        grad.domain,
+        grad.op_type,
+        list(grad.inputs),
+        attributes=list(attrs.values()),
+        num_outputs=len(grad.outputs) + _STATE_COUNT,
+        version=grad.version,
+        name=grad.name,
+        metadata_props=dict(grad.metadata_props),
+    )
+    _take_place(graph, grad, widened)
+    for state, output in zip(states, widened.outputs[len(grad.outputs) :]):
+        output.name = f"{state.name}_grad"
+
+
+def _take_place(graph: ir.Graph, old: ir.Node, new: ir.Node) -> None:
+    """Put ``new`` where ``old`` is: same position, its outputs (names, types, shapes, uses)."""
+    graph.insert_before(old, new)
+    old_outputs = list(old.outputs)
+    for before, after in zip(old_outputs, new.outputs):
+        after.type, after.shape = before.type, before.shape
+        before.replace_all_uses_with(after, replace_graph_outputs=True)
+    graph.remove(old, safe=True)
+    for before, after in zip(old_outputs, new.outputs):
+        name = before.name
+        before.name = None
+        after.name = name
 
 
 def _string(node: ir.Node, name: str) -> str:
@@ -248,8 +288,6 @@ def _saving_forward(node: ir.Node, save_name: str, cloner: "_Cloner") -> ir.Node
         name=node.name,
         metadata_props=dict(node.metadata_props),
     )
-    for old, new in zip(node.outputs, forward.outputs):
-        new.type, new.shape = old.type, old.shape
     first = node.outputs[1].name if len(node.outputs) > 1 and node.outputs[1].name else node.name
     for suffix, state in zip(RNG_STATE_SUFFIXES, forward.outputs[len(node.outputs) :]):
         state.name = cloner.unique(f"{first}{suffix}")
