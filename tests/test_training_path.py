@@ -227,3 +227,24 @@ def test_build_training_graph_pass_refuses_a_training_graph():
     assert get_training_info(result.model).loss == "loss"
     with pytest.raises(ir.passes.PreconditionError, match="already a training graph"):
         BuildTrainingGraphPass()(result.model)
+
+
+def test_training_graph_shapes_are_expressed_in_the_export_dims(tmp_path, monkeypatch):
+    # Symbolic inference carries Reshape/Range-derived dims as batch/seq expressions;
+    # onnx's own inference would leave fresh unk__N dims the memory analysis cannot bind.
+    monkeypatch.chdir(tmp_path)
+    torch.manual_seed(0)
+    module = GPTDecoder(vocab=16, hidden=16, heads=2, layers=1, max_seq=8, dropout=0.1)
+    ids = torch.randint(0, 16, (2, 8))
+    axes = {"input_ids": {0: "batch", 1: "seq"}, "labels": {0: "batch", 1: "seq"}}
+    training = build_training_graph(export(module, (ids, ids), input_names=["input_ids", "labels"], dynamic_axes=axes))
+    partition = get_partition(training)
+    unknown = [
+        v.name
+        for v in partition.stashed
+        if v.shape is None or any(isinstance(d, ir.SymbolicDim) and str(d.value).startswith("unk__") for d in v.shape)
+    ]
+    assert not unknown
+    softmax = next(n for n in training.graph if n.op_type == "Softmax")
+    assert [str(d) for d in softmax.outputs[0].shape] == ["batch", "2", "seq", "seq"]
+    assert list(tmp_path.iterdir()) == []  # ORT's wrapper would have left sym_shape_infer_temp.onnx here

@@ -65,6 +65,7 @@ def build_training_graph(
     _add_outputs_the_gradient_builder_needs(proto)
     forward_names = _ensure_unique_node_names(proto)
     _make_params_inputs(proto, params)
+    proto = _infer_forward_shapes(proto)
 
     if any(node.op_type == "PythonOp" for node in proto.graph.node):
         from ortpass.runtime import bridge  # only models with PythonOps need torch here
@@ -193,9 +194,40 @@ def _run_gradient_builder(proto: onnx.ModelProto, loss: str, params: Sequence[st
         raise TrainingGraphError(f"ONNX Runtime's gradient builder failed: {type(exc).__name__}: {exc}") from exc
 
 
+def _infer_forward_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """Shapes of forward values in terms of the graph's dim params (``batch``, ``seq``).
+
+    onnx's own inference invents a fresh ``unk__N`` for every dim computed at run time
+    (a Reshape's target from Shape/Div, a Range's length), which leaves the recompute
+    analysis's savings unknowable.  ORT's symbolic shape inference (shipped with ORT,
+    sympy-based) carries them as expressions of the input dims.  It reads only the graph
+    and ORT's in-process shape-inferer registry: nothing a model names is imported.  The
+    gradient builder keeps these value infos in the training graph.
+    """
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+    # Driven step by step rather than through SymbolicShapeInference.infer_shapes: when
+    # some value stays unknown (NonZero's data-dependent length, say) that wrapper saves
+    # the model as sym_shape_infer_temp.onnx in the current directory and raises, dropping
+    # everything it did infer.  A partial result is still worth keeping.
+    inference = SymbolicShapeInference(int_max=2**31 - 1, auto_merge=True, guess_output_rank=False, verbose=0)
+    try:
+        inference._preprocess(proto)
+        complete = False
+        while inference.run_:
+            complete = inference._infer_impl()
+        inference._update_output_from_vi()
+    except Exception as exc:  # an op it has no rule for; onnx's inference still runs later
+        logger.warning("symbolic shape inference failed (%s: %s); dims may stay unknown", type(exc).__name__, exc)
+        return proto
+    if not complete:
+        logger.debug("symbolic shape inference left some values unknown; keeping what it inferred")
+    return inference.out_mp_
+
+
 def _infer_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
     # onnx's inference skips ops of domains it does not know (com.microsoft *Grad), which is
-    # fine: analyses read the shapes of forward values, all of which it can infer.
+    # fine: analyses read the shapes of forward values, which are known by now.
     try:
         return onnx.shape_inference.infer_shapes(proto, strict_mode=False, data_prop=True)
     except Exception as exc:
