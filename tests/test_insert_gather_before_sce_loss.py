@@ -476,3 +476,19 @@ def test_gemm_with_bias_above_projection_matches_on_ort(density):
     np.testing.assert_allclose(actual.loss, expected.loss, rtol=1e-5, atol=1e-6)
     for name in params:
         np.testing.assert_allclose(actual.gradients[name], expected.gradients[name], rtol=1e-5, atol=1e-6)
+
+
+def test_ortmodule_flag_is_recognized_too():
+    model = sce_model()
+    func_name = "onnxruntime.training.ortmodule._runtime_inspector.FlagAndPrintDensity"
+    model.graph.node("flag").attributes["func_name"] = ir.AttrString("func_name", func_name)
+    assert InsertGatherBeforeSceLossPass()(model).modified
+    assert "PythonOp" not in op_types(model) and op_types(model).count("ShrunkenGather") == 2
+
+
+def test_runs_from_a_pipeline_string_with_its_options():
+    import ortpass
+
+    model = sce_model(flag=False)
+    result = ortpass.pipeline("insert-gather-before-sce-loss(force=True, move_above_projection=True)")(model)
+    assert gathered_inputs(result.model) == ["labels", "x"]
