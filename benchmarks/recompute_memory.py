@@ -1,0 +1,362 @@
+"""Peak memory and step time of one training step: ortpass recompute vs ORT's C++ memory
+optimizer vs torch eager, with and without torch.utils.checkpoint per block.
+
+Model: ``ortpass.testing.models.GPTDecoder`` (vocab 2048, hidden 256, 4 heads, seq 512,
+batch 8, dropout 0.1), 4 layers and, with ``--layers 4 8``, 8 layers.
+
+How memory is measured (shared/reference/stack-facts.md):
+
+- every configuration runs in a fresh process started by this script, which imports only
+  the standard library (a child inherits its parent's high-water mark, and torch alone
+  adds ~550 MiB);
+- glibc ``MALLOC_MMAP_THRESHOLD_=65536`` so that freed tensors leave the RSS;
+- step peak = the highest RSS during one training step (``VmHWM`` after resetting it
+  through ``/proc/self/clear_refs``) minus the RSS after setup and a warm-up step;
+- ORT configurations never import torch: the graphs are exported, built and rewritten in a
+  separate child first and saved to files; the ORT children load only
+  ``onnxruntime.capi`` (the ``onnxruntime`` package's ``__init__`` would import torch
+  through ``onnxruntime.training``) and record ``"torch" in sys.modules``;
+- ORT's CPU memory arena is off (freed tensors would stay in the arena, and the RSS after
+  the warm-up step would already hold the step's peak);
+- the step of every configuration allocates its gradients (ORT returns them as outputs;
+  torch's ``.grad`` are set to None before each step).
+
+ORT configurations share session options: no CPU arena, ``CommonSubexpressionElimination``
+and ``SkipLayerNormFusion`` disabled (both undo or break recomputed graphs), default
+execution order.  ORT's C++ optimizer runs at level 1 as ORTModule drove it: probe config
+``1:1`` (layer-wise), every type-1 plan ORT's own analysis reports on the same graph
+(``TrainingAgent.get_serialized_ortmodule_memory_stat``) in a JSON plan file.
+
+Usage: ``python benchmarks/recompute_memory.py [--layers 4 8] [--steps 3]``.  Writes
+``recompute_memory.json`` and ``recompute_memory.md`` next to this script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+VOCAB, HIDDEN, HEADS, SEQ, BATCH, DROPOUT = 2048, 256, 4, 512, 8, 0.1
+ORT_DISABLED_OPTIMIZERS = ["CommonSubexpressionElimination", "SkipLayerNormFusion"]
+MIB = 1024 * 1024
+
+CONFIGS = [
+    # (key, label, kind)
+    ("ort", "ORT, no recompute", "ort"),
+    ("ort_l1", "ortpass recompute level 1", "ort"),
+    ("ort_l2", "ortpass recompute level 2", "ort"),
+    ("ort_cpp_l1", "ORT C++ memory optimizer level 1", "ort"),
+    ("torch", "torch eager", "torch"),
+    ("torch_ckpt", "torch eager + checkpoint per block", "torch"),
+]
+
+
+# -- measuring (used by every child) ------------------------------------------------------------
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS
+
+
+def _peak_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def _measure(step, steps: int) -> dict:
+    """Warm up, then measure the step peak of one step and the time of ``steps`` steps."""
+    step()  # warm-up: allocator pools, kernel caches, lazily created state
+    rss_after_setup = _rss_bytes()
+    _reset_peak()
+    times = []
+    start = time.perf_counter()
+    step()
+    times.append(time.perf_counter() - start)
+    peak = _peak_bytes()
+    for _ in range(steps - 1):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return {
+        "rss_after_setup_mib": rss_after_setup / MIB,
+        "step_peak_mib": (peak - rss_after_setup) / MIB,
+        "step_seconds": statistics.median(times),
+        "step_seconds_all": times,
+    }
+
+
+# -- children -------------------------------------------------------------------------------------
+
+
+def child_prepare(work: Path, layers: int) -> dict:
+    """Export, build and rewrite the graphs (imports torch); save them and the batch."""
+    import numpy as np
+    import onnx_ir as ir
+    import torch
+
+    import ortpass
+    from ortpass.export import export
+    from ortpass.passes import FixDropoutSeedPass, RecomputePass
+    from ortpass.testing.models import GPTDecoder
+    from ortpass.training import build_training_graph
+
+    torch.manual_seed(0)
+    model = GPTDecoder(VOCAB, HIDDEN, HEADS, layers, SEQ, DROPOUT)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, VOCAB, (BATCH, SEQ))
+    labels = rng.integers(0, VOCAB, (BATCH, SEQ))
+    np.save(work / "input_ids.npy", ids)
+    np.save(work / "labels.npy", labels)
+    torch.save(model.state_dict(), work / "weights.pt")
+
+    forward = export(model, (torch.from_numpy(ids), torch.from_numpy(labels)), input_names=["input_ids", "labels"])
+    training = build_training_graph(forward)
+    ir.save(training, work / "ort.onnx")
+    info = {"nodes": {"ort": len(training.graph)}, "applied": {}}
+    for level in (1, 2):
+        manager = ortpass.PassManager(
+            [RecomputePass(level=level), FixDropoutSeedPass(level=level)], assume=["training-graph"]
+        )
+        result = manager(training)
+        ir.save(result.model, work / f"ort_l{level}.onnx")
+        recompute = next(p for p in manager.passes if isinstance(p, RecomputePass))
+        info["nodes"][f"ort_l{level}"] = len(result.model.graph)
+        info["applied"][f"ort_l{level}"] = [a.to_dict() for a in recompute.applied]
+    return info
+
+
+def _load_ort():
+    """onnxruntime's C API and InferenceSession without running ``onnxruntime/__init__``
+    (which imports torch through onnxruntime.training)."""
+    import importlib.util
+    import types
+
+    spec = importlib.util.find_spec("onnxruntime")
+    package = types.ModuleType("onnxruntime")
+    package.__path__ = list(spec.submodule_search_locations)
+    sys.modules["onnxruntime"] = package
+    from onnxruntime.capi import _pybind_state as C
+    from onnxruntime.capi.onnxruntime_inference_collection import InferenceSession
+
+    return C, InferenceSession
+
+
+def child_ort_plans(work: Path) -> dict:
+    """ORT's own recompute analysis of the plain training graph (probe 1:1, level 1)."""
+    C, InferenceSession = _load_ort()
+    options = C.SessionOptions()
+    options.log_severity_level = 3
+    session = InferenceSession(
+        str(work / "ort.onnx"), options, providers=["CPUExecutionProvider"], disabled_optimizers=ORT_DISABLED_OPTIMIZERS
+    )
+    agent = C.TrainingAgent(session._sess, [], [], [], [], 0)
+    _, stats = agent.get_serialized_ortmodule_memory_stat("", "1:1", False)
+    plans = sorted(f"{cluster}:1:-1" for cluster in stats)
+    (work / "ort_cpp_plans.json").write_text(json.dumps(plans))
+    return {"plans": plans, "torch_imported": "torch" in sys.modules}
+
+
+def child_ort(work: Path, key: str, steps: int) -> dict:
+    import numpy as np
+
+    C, InferenceSession = _load_ort()
+    options = C.SessionOptions()
+    options.log_severity_level = 3
+    # Without this, freed tensors go back to ORT's arena, not to the OS, and the RSS after
+    # the warm-up step already holds the step's peak.
+    options.enable_cpu_mem_arena = False
+    optimized = work / f"{key}.optimized.onnx"
+    options.optimized_model_filepath = str(optimized)
+    model = work / ("ort.onnx" if key == "ort_cpp_l1" else f"{key}.onnx")
+    if key == "ort_cpp_l1":
+        options.add_session_config_entry("optimization.memory_optimizer_config", str(work / "ort_cpp_plans.json"))
+        options.add_session_config_entry("optimization.enable_memory_probe_recompute_config", "1:1")
+    session = InferenceSession(
+        str(model), options, providers=["CPUExecutionProvider"], disabled_optimizers=ORT_DISABLED_OPTIMIZERS
+    )
+    feeds = {"input_ids": np.load(work / "input_ids.npy"), "labels": np.load(work / "labels.npy")}
+    fetch = [o.name for o in session.get_outputs()]
+    losses = []
+
+    def step():
+        losses.append(float(session.run(fetch, feeds)[0]))  # gradients die right here
+
+    result = _measure(step, steps)
+    result["torch_imported"] = "torch" in sys.modules
+    result["loss"] = losses[0]
+    del session
+    import onnx  # only now: the measurement is done
+
+    graph = onnx.load(str(optimized), load_external_data=False).graph
+    result["ort_nodes"] = len(graph.node)
+    result["ort_recompute_nodes"] = sum("_recompute" in n.name for n in graph.node)
+    optimized.unlink()
+    return result
+
+
+def child_torch(work: Path, key: str, layers: int, steps: int) -> dict:
+    import numpy as np
+    import torch
+
+    from ortpass.testing.models import GPTDecoder
+
+    model = GPTDecoder(VOCAB, HIDDEN, HEADS, layers, SEQ, DROPOUT, checkpoint=key == "torch_ckpt")
+    model.load_state_dict(torch.load(work / "weights.pt"))
+    model.train()
+    ids = torch.from_numpy(np.load(work / "input_ids.npy"))
+    labels = torch.from_numpy(np.load(work / "labels.npy"))
+    losses = []
+
+    def step():
+        model.zero_grad(set_to_none=True)  # the step allocates its gradients, as ORT's does
+        loss = model(ids, labels)
+        loss.backward()
+        losses.append(float(loss))
+
+    result = _measure(step, steps)
+    result["loss"] = losses[0]
+    result["torch_threads"] = torch.get_num_threads()
+    return result
+
+
+# -- the parent (standard library only) -----------------------------------------------------------
+
+
+def _run_child(*args: str) -> dict:
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", PYTHONWARNINGS="ignore")
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), "--child", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"child {args} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run(layers_list: list[int], steps: int) -> dict:
+    results: dict = {
+        "model": {"vocab": VOCAB, "hidden": HIDDEN, "heads": HEADS, "seq": SEQ, "batch": BATCH, "dropout": DROPOUT},
+        "cpus": os.cpu_count(),
+        "ort_disabled_optimizers": ORT_DISABLED_OPTIMIZERS,
+        "steps_timed": steps,
+        "layers": {},
+    }
+    results["load_average_before"] = os.getloadavg()
+    for layers in layers_list:
+        with tempfile.TemporaryDirectory(prefix=f"recompute_bench_{layers}_") as tmp:
+            work = Path(tmp)
+            print(f"[{layers} layers] preparing graphs", flush=True)
+            entry = {"prepare": _run_child("prepare", str(work), str(layers))}
+            entry["ort_cpp_plans"] = _run_child("ort-plans", str(work))
+            entry["configs"] = {}
+            for key, label, kind in CONFIGS:
+                print(f"[{layers} layers] {label}", flush=True)
+                if key == "ort_cpp_l1" and not entry["ort_cpp_plans"]["plans"]:
+                    # ORT's analysis splits forward from backward at ORTModule's YieldOp; a
+                    # plain forward+backward graph has none, so it finds nothing to do.
+                    entry["configs"][key] = {"label": label, "skipped": "ORT's analysis reported no plan on this graph"}
+                    print("    skipped: ORT's analysis reported no plan", flush=True)
+                    continue
+                if kind == "ort":
+                    measured = _run_child("ort", str(work), key, str(steps))
+                    if measured["torch_imported"]:
+                        raise RuntimeError(f"{key}: torch was imported in the ORT child; the memory would be wrong")
+                else:
+                    measured = _run_child("torch", str(work), key, str(layers), str(steps))
+                entry["configs"][key] = {"label": label, **measured}
+                print(f"    step peak {measured['step_peak_mib']:.0f} MiB, step {measured['step_seconds']:.2f} s", flush=True)
+            results["layers"][str(layers)] = entry
+    results["load_average_after"] = os.getloadavg()
+    return results
+
+
+def markdown(results: dict) -> str:
+    lines = [
+        "# Recompute: step peak memory and warm step time",
+        "",
+        "GPT-like decoder, hidden {hidden}, {heads} heads, seq {seq}, batch {batch}, vocab {vocab}, dropout "
+        "{dropout}; one training step on CPU ({cpus} cores).".format(cpus=results["cpus"], **results["model"]),
+        "Step peak = peak RSS during a step minus RSS after setup and a warm-up step; each configuration in "
+        "a fresh process, ORT ones without torch imported. Step time: median of "
+        f"{results['steps_timed']} warm steps. Extra time: vs the same runtime without recompute. "
+        "Load average before/after: {:.1f} / {:.1f} (the machine is shared; times are noisy).".format(
+            results["load_average_before"][0], results["load_average_after"][0]
+        ),
+        "",
+    ]
+    for layers, entry in results["layers"].items():
+        configs = entry["configs"]
+        lines += [
+            f"## {layers} layers",
+            "",
+            "| configuration | step peak MiB | warm step s | extra time | RSS after setup MiB | recompute nodes in ORT's graph |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+        for key, cfg in configs.items():
+            if "skipped" in cfg:
+                lines.append(f"| {cfg['label']} | n/a | n/a | n/a | n/a | {cfg['skipped']} |")
+                continue
+            base = configs["torch" if key.startswith("torch") else "ort"]["step_seconds"]
+            extra = cfg["step_seconds"] / base - 1
+            clones = cfg.get("ort_recompute_nodes", "")
+            lines.append(
+                f"| {cfg['label']} | {cfg['step_peak_mib']:.0f} | {cfg['step_seconds']:.2f} | {extra:+.0%} | "
+                f"{cfg['rss_after_setup_mib']:.0f} | {clones} |"
+            )
+        plans = entry["ort_cpp_plans"]["plans"]
+        lines += ["", f"ORT C++ level-1 plans ({len(plans)}): `{','.join(plans)}`", ""]
+        for level in ("ort_l1", "ort_l2"):
+            applied = entry["prepare"]["applied"][level]
+            text = ", ".join(f"{a['plan']} x{a['applied']}" for a in applied if a["applied"])
+            lines.append(f"ortpass {level[-2:].upper()} plans: {text}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--child":
+        kind, work, *rest = argv[1:]
+        work_path = Path(work)
+        if kind == "prepare":
+            out = child_prepare(work_path, int(rest[0]))
+        elif kind == "ort-plans":
+            out = child_ort_plans(work_path)
+        elif kind == "ort":
+            out = child_ort(work_path, rest[0], int(rest[1]))
+        else:
+            out = child_torch(work_path, rest[0], int(rest[1]), int(rest[2]))
+        print(json.dumps(out))
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, nargs="+", default=[4])
+    parser.add_argument("--steps", type=int, default=3)
+    args = parser.parse_args(argv)
+    results = run(args.layers, args.steps)
+    (HERE / "recompute_memory.json").write_text(json.dumps(results, indent=1))
+    text = markdown(results)
+    (HERE / "recompute_memory.md").write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

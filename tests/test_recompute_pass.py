@@ -1,0 +1,315 @@
+"""RecomputePass: plan options, the rewrite's structure, errors, and parity on ORT.
+
+Hand-built graphs have answers worked out by hand; the decoder tests check on ONNX
+Runtime that recompute changes no number (dropout > 0, seeded in both graphs so both
+draw the same masks), and that the clones survive in the graph ORT actually runs.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import onnx.helper as oh
+import onnx_ir as ir
+import pytest
+import torch
+
+import ortpass
+from ortpass.analysis.partition import SIDE_KEY, TrainingInfo, get_partition, set_training_info, tag
+from ortpass.errors import PassOrderingError, PlanError
+from ortpass.export import export
+from ortpass.passes import FixDropoutSeedPass, RecomputePass
+from ortpass.passes.recompute import ORT_OPTIMIZERS_TO_DISABLE, RECOMPUTE_OF_KEY
+from ortpass.runtime import TrainingSession
+from ortpass.testing.models import GPTDecoder
+from ortpass.training import build_training_graph
+
+F = onnx.TensorProto.FLOAT
+
+
+def gelu_training_graph() -> ir.Model:
+    """Forward: h = x*w (Mul), a = Gelu(h) (opset 20), y = a*w2, loss = ReduceSum(y).
+    Backward (hand-written, tagged): reads `a` (stashed) and `h` (stashed).
+
+    The plan `Gelu+:1:-1` clones Gelu reading h; only the backward consumer of `a` moves.
+    """
+    nodes = [
+        ("forward", oh.make_node("Mul", ["x", "w"], ["h"], name="mul")),
+        ("forward", oh.make_node("Gelu", ["h"], ["a"], name="gelu")),
+        ("forward", oh.make_node("Mul", ["a", "w2"], ["y"], name="mul2")),
+        ("forward", oh.make_node("ReduceSum", ["y"], ["loss"], name="sum", keepdims=0)),
+        ("backward", oh.make_node("Mul", ["a", "x"], ["w2_grad"], name="w2_grad_mul")),
+        ("backward", oh.make_node("Mul", ["h", "w2"], ["w_grad"], name="w_grad_mul")),
+    ]
+    shape = [4, 8]
+    graph = oh.make_graph(
+        [n for _, n in nodes],
+        "gelu",
+        [oh.make_tensor_value_info(n, F, shape) for n in ("x", "w", "w2")],
+        [oh.make_tensor_value_info("loss", F, []), *(oh.make_tensor_value_info(n, F, shape) for n in ("w_grad", "w2_grad"))],
+    )
+    proto = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 20)], ir_version=8)
+    model = ir.from_proto(onnx.shape_inference.infer_shapes(proto))
+    for (side, _), node in zip(nodes, model.graph):
+        tag(node, side)
+    set_training_info(model, TrainingInfo("loss", ("w", "w2"), {"w": "w_grad", "w2": "w2_grad"}))
+    return model
+
+
+def _node(model: ir.Model, name: str) -> ir.Node:
+    return next(n for n in model.graph if n.name == name)
+
+
+# -- plan options ---------------------------------------------------------------------------
+
+
+def test_gelu_plan_clones_gelu_and_moves_only_the_backward_consumer():
+    model = gelu_training_graph()
+    pass_ = RecomputePass("Gelu+:1:-1", min_elements=0)
+    result = pass_(model)
+    assert result.modified
+    clone = _node(model, "gelu_recompute")
+    original = _node(model, "gelu")
+    assert clone.op_type == "Gelu" and clone.inputs[0] is original.inputs[0]  # reads h, as ORT's test
+    assert clone.outputs[0].name == "a_recompute"
+    assert clone.metadata_props[SIDE_KEY] == "backward"
+    assert clone.metadata_props[RECOMPUTE_OF_KEY] == "gelu"
+    assert _node(model, "w2_grad_mul").inputs[0] is clone.outputs[0]  # backward moved
+    assert _node(model, "mul2").inputs[0] is original.outputs[0]  # forward kept
+    # Placed right before its first backward consumer; the graph is still sorted.
+    names = [n.name for n in model.graph]
+    assert names.index("gelu_recompute") == names.index("w2_grad_mul") - 1
+    onnx.checker.check_model(ir.to_proto(model))
+    assert [a.plan for a in pass_.applied] == ["Gelu+:1:-1"] and pass_.applied[0].applied == 1
+    assert pass_.applied[0].saving_bytes == 4 * 8 * 4  # a: float[4, 8]
+    assert pass_.stats["counts"]["nodes cloned"] == 1
+
+
+def test_plans_given_as_list_string_and_file_give_the_same_graph(tmp_path):
+    path = tmp_path / "plans.json"
+    path.write_text(json.dumps(["Gelu+:1:-1"]))
+    graphs = []
+    for options in ({"plans": "Gelu+:1:-1"}, {"plans": ["Gelu+:1:-1"]}, {"config_file": path}):
+        model = gelu_training_graph()
+        RecomputePass(**options, min_elements=0)(model)
+        graphs.append([(n.name, n.op_type, [v.name for v in n.inputs]) for n in model.graph])
+    assert graphs[0] == graphs[1] == graphs[2]
+
+
+def test_a_plan_that_matches_nothing_leaves_the_model_unchanged():
+    model = gelu_training_graph()
+    before = ir.to_proto(model).SerializeToString()
+    result = RecomputePass("Tile+:1:-1", min_elements=0)(model)
+    assert not result.modified
+    assert ir.to_proto(model).SerializeToString() == before
+
+
+def test_level_0_without_plans_does_nothing():
+    model = gelu_training_graph()
+    assert not RecomputePass(min_elements=0)(model).modified
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"plans": "Gelu+:1"}, "Gelu\\+:1"),
+        ({"plans": "Gelu:1:-1"}, "Gelu"),
+        ({"plans": "Gelu+:7:-1"}, "type"),
+        ({"plans": "Gelu+:1:-1,,"}, "empty plan"),
+        ({"config_file": "/nonexistent/plans.json"}, "does not exist"),
+        ({"level": 1, "plans": "Gelu+:1:-1"}, "level 1"),
+    ],
+)
+def test_bad_plan_options_raise_plan_error_naming_the_problem(options, message):
+    with pytest.raises(PlanError, match=message):
+        RecomputePass(**options)
+
+
+def test_bad_json_file_raises_plan_error(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("[\"Gelu+:1:-1\",")
+    with pytest.raises(PlanError, match="not valid JSON"):
+        RecomputePass(config_file=bad)
+    not_a_list = tmp_path / "dict.json"
+    not_a_list.write_text('{"plan": "Gelu+:1:-1"}')
+    with pytest.raises(PlanError, match="list"):
+        RecomputePass(config_file=not_a_list)
+
+
+def test_bad_level_is_refused():
+    with pytest.raises(ValueError, match="level"):
+        RecomputePass(level=3)
+
+
+def test_bad_plan_in_a_pipeline_fails_before_touching_the_model():
+    with pytest.raises(PlanError, match="Gelu"):
+        ortpass.pipeline("recompute(plans='Gelu+:x:-1')")
+
+
+# -- ordering and dropout seeds -------------------------------------------------------------------
+
+
+def test_the_manager_runs_fix_dropout_seed_first_from_declarations():
+    manager = ortpass.PassManager(
+        [RecomputePass(level=1), FixDropoutSeedPass(level=1)], assume=["training-graph"]
+    )
+    assert [p.name for p in manager.passes] == ["fix-dropout-seed", "recompute"]
+
+
+def test_recompute_alone_requires_seeded_dropouts():
+    with pytest.raises(PassOrderingError, match="dropout-seeds-fixed"):
+        ortpass.PassManager([RecomputePass(level=1)], assume=["training-graph"])
+
+
+# -- a decoder from build_training_graph -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def decoder_graph() -> ir.Model:
+    torch.manual_seed(0)
+    model = GPTDecoder(vocab=64, hidden=32, heads=4, layers=2, max_seq=16, dropout=0.2)
+    ids = torch.randint(0, 64, (2, 16))
+    return build_training_graph(export(model, (ids, ids), input_names=["input_ids", "labels"]))
+
+
+@pytest.fixture(scope="module")
+def decoder_batch() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {"input_ids": rng.integers(0, 64, (2, 16)), "labels": rng.integers(0, 64, (2, 16))}
+
+
+def _rewrite(model: ir.Model, level: int, recompute: bool) -> tuple[ir.Model, RecomputePass | None]:
+    # min_elements=0: the test model's tensors are far below ORT's 1Mi-element floor.
+    passes = [FixDropoutSeedPass(level=level, min_elements=0)]
+    recompute_pass = RecomputePass(level=level, min_elements=0) if recompute else None
+    if recompute_pass is not None:
+        passes.append(recompute_pass)
+    return ortpass.PassManager(passes, assume=["training-graph"])(model).model, recompute_pass
+
+
+def test_unseeded_dropout_is_refused_and_the_model_unchanged(decoder_graph):
+    model = ir.from_proto(ir.to_proto(decoder_graph))
+    before = ir.to_proto(model).SerializeToString()
+    with pytest.raises(ir.passes.PreconditionError, match="seed"):
+        RecomputePass(level=1, min_elements=0)(model)
+    assert ir.to_proto(model).SerializeToString() == before
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_recompute_changes_no_number_on_ort(decoder_graph, decoder_batch, level):
+    baseline, _ = _rewrite(decoder_graph, level, recompute=False)
+    recomputed, pass_ = _rewrite(decoder_graph, level, recompute=True)
+    assert pass_.stats["counts"]["nodes cloned"] > 0
+    assert any(n.op_type == "Dropout" and n.name.endswith("_recompute") for n in recomputed.graph)
+    expected_session, got_session = TrainingSession(baseline), TrainingSession(recomputed)
+    for _ in range(2):  # masks change between steps, and the clones follow
+        expected, got = expected_session.run(decoder_batch), got_session.run(decoder_batch)
+        assert got.loss == expected.loss
+        for name, grad in expected.gradients.items():
+            np.testing.assert_array_equal(got.gradients[name], grad, err_msg=name)
+
+
+def test_without_seeds_the_clone_draws_another_mask(decoder_graph, decoder_batch):
+    # Negative control for the test above: strip the seeds after the rewrite and the
+    # numbers change.
+    baseline, _ = _rewrite(decoder_graph, 1, recompute=False)
+    recomputed, _ = _rewrite(decoder_graph, 1, recompute=True)
+    for model in (baseline, recomputed):
+        for node in model.graph:
+            node.attributes.pop("seed", None)
+    expected = TrainingSession(baseline).run(decoder_batch, seed=7)
+    got = TrainingSession(recomputed).run(decoder_batch, seed=7)
+    # Unseeded, every dropout draws from ORT's global generator, so the clones also shift
+    # the forward dropouts that run after them: nothing guarantees equal numbers.
+    assert got.loss != expected.loss or any(
+        not np.array_equal(got.gradients[k], v) for k, v in expected.gradients.items()
+    )
+
+
+def _surviving_clones(recomputed: ir.Model, ort_names: set[str]) -> set[str]:
+    """Clones of ``recomputed`` that still compute in the graph ORT optimized.
+
+    ORT fuses some clones into a neighbouring clone and names the fused node after it:
+    ``<clone>/MatmulTransposeFusion/``, ``<MatMul clone>/MatMulScaleFusion/`` (which also
+    absorbed the ``Mul`` clone after it).  A clone merged back by CSE leaves no trace.
+    """
+
+    def present(name: str) -> bool:
+        return name in ort_names or any(other.startswith(name + "/") for other in ort_names)
+
+    clones = [n for n in recomputed.graph if n.name.endswith("_recompute")]
+    surviving = {c.name for c in clones if present(c.name)}
+    for clone in clones:
+        neighbours = [v.producer() for v in clone.inputs if v is not None and v.producer() is not None]
+        neighbours += [user for out in clone.outputs for user, _ in out.uses()]
+        if any(n.name.endswith("_recompute") and present(n.name) for n in neighbours):
+            surviving.add(clone.name)
+    return surviving
+
+
+def _optimized_names(model: ir.Model, path, disabled: list[str]) -> set[str]:
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.optimized_model_filepath = str(path)
+    ort.InferenceSession(
+        ir.to_proto(model).SerializeToString(), options, providers=["CPUExecutionProvider"], disabled_optimizers=disabled
+    )
+    return {n.name for n in onnx.load(path).graph.node}
+
+
+def test_clones_survive_in_the_graph_ort_runs(decoder_graph, tmp_path):
+    recomputed, _ = _rewrite(decoder_graph, 1, recompute=True)
+    clones = {n.name for n in recomputed.graph if n.name.endswith("_recompute")}
+    path = tmp_path / "ort_optimized.onnx"
+    TrainingSession(recomputed, optimized_model_path=path)  # the session the tests run
+    ort_names = {n.name for n in onnx.load(path).graph.node}
+    assert clones and _surviving_clones(recomputed, ort_names) == clones
+
+
+def test_common_subexpression_elimination_would_merge_clones(decoder_graph, tmp_path):
+    # Why sessions must disable it: with ORT's CSE on, clones are merged into their originals.
+    recomputed, _ = _rewrite(decoder_graph, 1, recompute=True)
+    clones = {n.name for n in recomputed.graph if n.name.endswith("_recompute")}
+    with_cse = _surviving_clones(recomputed, _optimized_names(recomputed, tmp_path / "cse.onnx", []))
+    without = _surviving_clones(
+        recomputed, _optimized_names(recomputed, tmp_path / "no_cse.onnx", list(ORT_OPTIMIZERS_TO_DISABLE))
+    )
+    assert without == clones
+    assert len(with_cse) < len(clones)
+
+
+def test_clones_run_after_forward_on_ort(decoder_graph, tmp_path):
+    """ORT's default order runs every clone of a layer but the last one after the loss:
+    the execution-order property the memory saving rests on (profiled)."""
+    import onnxruntime as ort
+
+    recomputed, _ = _rewrite(decoder_graph, 1, recompute=True)
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.enable_profiling = True
+    options.profile_file_prefix = str(tmp_path / "profile")
+    session = ort.InferenceSession(
+        ir.to_proto(recomputed).SerializeToString(),
+        options,
+        providers=["CPUExecutionProvider"],
+        disabled_optimizers=list(ORT_OPTIMIZERS_TO_DISABLE),
+    )
+    feeds = {"input_ids": np.zeros((2, 16), np.int64), "labels": np.zeros((2, 16), np.int64)}
+    session.run(None, feeds)
+    events = json.loads(open(session.end_profiling()).read())
+    order = [e["name"][: -len("_kernel_time")] for e in events if e.get("cat") == "Node"]
+    loss = order.index("/loss/SoftmaxCrossEntropyLoss")
+    early = [name for name in order[:loss] if "_recompute" in name]
+    assert all("/blocks.1/" in name or "/ln_f/" in name for name in early)  # the last layer only
+    assert any("/blocks.0/" in name and "_recompute" in name for name in order[loss:])
+
+
+def test_recompute_pass_is_registered_post_grad():
+    from ortpass.registry import get_pass
+
+    assert get_pass("recompute") is RecomputePass and RecomputePass.phase == "post-grad"
+    assert get_pass("fix-dropout-seed") is FixDropoutSeedPass
