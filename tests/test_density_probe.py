@@ -20,7 +20,7 @@ from ortpass.export import export
 from ortpass.export.density import FUNCTIONAL_SITE, FlagAndPrintDensity, density_probe, label_density
 from ortpass.export.pythonop import pythonop_export_context
 from ortpass.passes.insert_gather_before_sce_loss import FLAG_FUNC_NAME, PRINT_DENSITY_ENV, InsertGatherBeforeSceLossPass
-from ortpass.runtime import TrainingSession
+from ortpass.runtime import TrainingSession, bridge
 from ortpass.runtime.parity import check_parity
 from ortpass.testing.models import MLP, BertMLM
 from ortpass.training import build_training_graph
@@ -226,6 +226,8 @@ def test_printing_flag_reports_each_step_through_the_torch_bridge(monkeypatch, c
     for step in range(2):
         session.run({"x": args[0].numpy(), "labels": args[1].numpy()})
         assert f"label density {valid / 32 * 100:.2f}% ({valid}/32" in capsys.readouterr().out
+    # Integer labels need no backward: the flag runs without a context, so none is left behind.
+    assert bridge.live_contexts() == 0
 
 
 def test_shape_inference_keeps_the_label_dims_across_the_flag():

@@ -79,6 +79,7 @@ def sce_model(
                 name="flag",
                 func_name=FLAG_FUNC_NAME,
                 input_convention="dcc",
+                training_mode=1,
                 input_int_scalars=[IGNORE],
                 input_int_scalar_positions=[1],
                 input_float_scalars=[25.0],
@@ -291,11 +292,13 @@ def test_skips_loss_and_says_why(case):
 
 
 @pytest.mark.parametrize("case", SKIPS)
-def test_skipped_loss_with_flags_kept_leaves_graph_unchanged(case):
+def test_skipped_loss_with_flags_kept_is_untouched(case):
     model = sce_model(**SKIPS[case][0])
-    before = serialized(model)
-    assert not InsertGatherBeforeSceLossPass(keep_flag_for_printing=True)(model).modified
-    assert serialized(model) == before
+    loss_inputs = [v.name for v in loss_node(model).inputs if v is not None]
+    InsertGatherBeforeSceLossPass(keep_flag_for_printing=True)(model)
+    assert {"ShrunkenGather", "NonZero", "Sub"}.isdisjoint(op_types(model))
+    assert "PythonOp" in op_types(model)
+    assert [v.name for v in loss_node(model).inputs if v is not None] == loss_inputs
 
 
 def test_no_flag_leaves_graph_unchanged():
@@ -345,6 +348,16 @@ def test_printing_keeps_the_flag_in_front_of_the_gather():
     gathered_labels = loss_node(model).inputs[1].producer()
     assert gathered_labels.inputs[0] is flag.outputs[1]
     assert "flags removed" not in pass_.stats["counts"]
+    assert flag.attributes["training_mode"].value == 0  # integer labels: no backward, no ctx
+
+
+def test_printing_leaves_training_mode_of_a_flag_over_floats():
+    model = sce_model()
+    flag = model.graph.node("flag")
+    flag.attributes["training_mode"] = ir.AttrInt64("training_mode", 1)
+    flag.inputs[0].dtype = ir.DataType.FLOAT  # not a label: gradients may flow through it
+    InsertGatherBeforeSceLossPass(keep_flag_for_printing=True)(model)
+    assert flag.attributes["training_mode"].value == 1
 
 
 def test_print_env_variable_keeps_the_flag(monkeypatch):

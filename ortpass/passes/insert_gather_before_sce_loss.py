@@ -103,8 +103,10 @@ class InsertGatherBeforeSceLossPass(OrtPass):
     Every density flag in the graph is removed afterwards (its only purpose is to mark
     labels for this pass, and a PythonOp needs the torch bridge to run), except when
     ``keep_flag_for_printing`` is set or ``ORTPASS_PRINT_INPUT_DENSITY=1``: the flags then
-    stay and report the density of every step when run through the torch bridge.  A flag
-    whose output is a graph output or whose context output is used is kept.
+    stay and report the density of every step when run through the torch bridge (a kept
+    flag over integer labels gets ``training_mode = 0``: it needs no backward, and a
+    context the bridge kept for it would never be released).  A flag whose output is a
+    graph output or whose context output is used is kept.
 
     With ``move_above_projection=True`` the logits' gather then moves above the MatMul or
     Gemm that produces the logits, when that projection works row by row
@@ -158,12 +160,15 @@ class InsertGatherBeforeSceLossPass(OrtPass):
         # Every check is done before the first edit: a loss that cannot be rewritten has
         # already been set aside, so the edits below cannot leave a half-rewritten graph.
         # Flags go first so that the new nodes read (and are named after) the label itself.
-        removed = 0 if self.keep_flag_for_printing else self._remove_flags(graph)
+        if self.keep_flag_for_printing:
+            flags_changed = self._drop_flag_contexts(graph)
+        else:
+            flags_changed = self._remove_flags(graph)
         namer = _Namer(graph)
         for candidate in candidates:
             self._rewrite(model, candidate, namer)
         moved = self._move_above_projection(model) if self.move_above_projection and candidates else 0
-        return ir.passes.PassResult(model, modified=bool(candidates) or removed > 0 or moved > 0)
+        return ir.passes.PassResult(model, modified=bool(candidates) or flags_changed > 0 or moved > 0)
 
     # -- checks ---------------------------------------------------------------------------
     def _check(self, loss: ir.Node, types: _TypeSource) -> tuple[_Candidate | None, str]:
@@ -249,6 +254,25 @@ class InsertGatherBeforeSceLossPass(OrtPass):
         if moved:
             self.count("gathers moved above the projection", moved)
         return moved
+
+    def _drop_flag_contexts(self, graph: ir.Graph) -> int:
+        """Set ``training_mode = 0`` on kept flags over integer labels; returns how many.
+
+        Nothing flows back through integer labels, so the gradient build gives such a flag
+        no PythonOpGrad; in training mode the torch bridge would still keep a context for
+        it at every step, and nothing would ever release it.
+        """
+        changed = 0
+        for node in graph:
+            label = node.inputs[0] if _is_flag(node) and node.inputs else None
+            if label is None or label.dtype is None or not label.dtype.is_integer():
+                continue
+            if node.attributes.get_int("training_mode", 0) != 0 and not node.outputs[0].uses():
+                node.attributes["training_mode"] = ir.AttrInt64("training_mode", 0)
+                changed += 1
+        if changed:
+            self.count("kept flags set to inference mode", changed)
+        return changed
 
     def _remove_flags(self, graph: ir.Graph) -> int:
         removed = 0
