@@ -23,6 +23,8 @@ def load(path: str | os.PathLike) -> ir.Model:
     not a model (no graph).
     """
     path = Path(path)
+    if path.is_dir():
+        raise ModelLoadError(f"{path}: is a directory, not an ONNX model file")
     if not path.is_file():
         raise ModelLoadError(f"{path}: no such file")
     try:
@@ -34,7 +36,15 @@ def load(path: str | os.PathLike) -> ir.Model:
     try:
         return ir.from_proto(proto)
     except Exception as exc:
-        raise ModelLoadError(f"{path}: malformed ONNX model ({type(exc).__name__}: {exc})") from exc
+        raise ModelLoadError(f"{path}: malformed ONNX model ({_root_cause(exc)})") from exc
+
+
+def _root_cause(exc: BaseException) -> str:
+    """The innermost exception's message: onnx_ir wraps the one that names the bad value
+    ("Output 'h' is redeclared ...") in "Error calling _deserialize_graph with: g"."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    return f"{type(exc).__name__}: {exc}"
 
 
 def save(model: ir.Model, path: str | os.PathLike, *, overwrite: bool = False) -> None:

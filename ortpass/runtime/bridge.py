@@ -55,9 +55,10 @@ from typing import Any, Iterable
 import onnx_ir as ir
 import torch
 
-from ortpass.errors import UnregisteredFunctionError
+from ortpass.errors import ModelLoadError, UnregisteredFunctionError
 
 __all__ = [
+    "REQUIRED_PYTHONOP_ATTRIBUTES",
     "clear_contexts",
     "last_runner_error",
     "live_contexts",
@@ -147,9 +148,12 @@ def _all_nodes(model: ir.Model) -> Iterable[ir.Node]:
 def prepare(model: ir.Model) -> None:
     """Check every PythonOp's Function is registered, then install the runners with ORT.
 
-    Raises UnregisteredFunctionError naming the func_name and node for a Function nobody
-    registered; nothing the model names is imported.  Idempotent.
+    Raises ModelLoadError naming the node and attribute for a PythonOp without one of
+    :data:`REQUIRED_PYTHONOP_ATTRIBUTES`, and UnregisteredFunctionError naming the
+    func_name and node for a Function nobody registered; nothing the model names is
+    imported.  Idempotent.
     """
+    _check_required_attributes(model)
     names = pythonop_func_names(model)
     if not names:
         return
@@ -170,6 +174,25 @@ def prepare(model: ir.Model) -> None:
                 C.register_torch_autograd_function(func_name, _ort_pool_entry(known[func_name]))
                 _given_to_ort.add(func_name)
     logger.debug("bridge ready for %s", sorted(names))
+
+
+#: Attributes ORT's PythonOp kernel cannot run without (shared/reference/ort-training-facts.md §1):
+#: the Function to call, how its arguments map to inputs, and its outputs' types and ranks.
+REQUIRED_PYTHONOP_ATTRIBUTES = ("func_name", "input_convention", "output_tensor_types", "output_tensor_ranks")
+
+
+def _check_required_attributes(model: ir.Model) -> None:
+    """Refuse a PythonOp that lacks an attribute ORT needs, naming the node and attribute
+    (otherwise it would surface as a call to an unregistered Function named '')."""
+    for node in _all_nodes(model):
+        if node.domain != _MS_DOMAIN or node.op_type != "PythonOp":
+            continue
+        missing = [name for name in REQUIRED_PYTHONOP_ATTRIBUTES if name not in node.attributes]
+        if missing:
+            raise ModelLoadError(
+                f"PythonOp node {node.name or '<unnamed>'!r} lacks the required attribute(s) {missing}; "
+                "export it with ortpass.export.export, which writes every attribute ORT's kernel reads"
+            )
 
 
 def _ort_pool_entry(function: Any) -> type:

@@ -17,6 +17,7 @@ adds around it:
 from __future__ import annotations
 
 import logging
+import re
 from typing import Iterable, Sequence
 
 import onnx
@@ -26,7 +27,7 @@ from ortpass.analysis.partition import TrainingInfo, set_training_info, tag
 from ortpass.errors import TrainingGraphError
 from ortpass.metadata import get_export_info
 
-__all__ = ["build_training_graph", "clamp_for_ort", "MAX_ORT_OPSET", "MAX_ORT_IR_VERSION"]
+__all__ = ["build_training_graph", "check_forward_model", "clamp_for_ort", "MAX_ORT_OPSET", "MAX_ORT_IR_VERSION"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ def build_training_graph(
     proto = ir.to_proto(model)
     loss = _resolve_loss(proto, loss or export_info.get("loss"))
     params = _resolve_params(proto, params if params is not None else export_info.get("params"))
+    check_forward_model(proto, loss)
     clamp_for_ort(proto)
     _add_outputs_the_gradient_builder_needs(proto)
     forward_names = _ensure_unique_node_names(proto)
@@ -100,6 +102,113 @@ def clamp_for_ort(proto: onnx.ModelProto) -> None:
             )
     # onnx >= 1.17 writes IR versions ORT 1.19.2 rejects; nothing we emit needs more than 10.
     proto.ir_version = min(proto.ir_version or MAX_ORT_IR_VERSION, MAX_ORT_IR_VERSION)
+
+
+def check_forward_model(proto: onnx.ModelProto, loss: str) -> None:
+    """Refuse, naming the node and value, a forward model ORT's gradient builder would
+    reject with a message about its own C++ internals (or a crash).
+
+    Checked in one walk over the graph: every value is produced once; every node input is
+    a graph input, an initializer or a node output; the graph is acyclic; every graph
+    output is produced; the loss is a scalar (when its shape is declared); the labels of a
+    softmax cross-entropy loss are integer class indices (when their type is known).
+    """
+    graph = proto.graph
+    defined = {v.name for v in graph.input} | {t.name for t in graph.initializer}
+    producer = _producers(graph, defined)
+    for index, node in enumerate(graph.node):
+        for name in node.input:
+            if name and name not in defined and name not in producer:
+                raise TrainingGraphError(
+                    f"node {_node_label(node, index)} reads {name!r}, which no node, graph input or initializer defines"
+                )
+    for output in graph.output:
+        if output.name not in defined and output.name not in producer:
+            raise TrainingGraphError(f"graph output {output.name!r} is produced by no node")
+    _check_acyclic(graph, producer)
+    _check_loss_is_scalar(graph, loss)
+    _check_label_types(graph)
+
+
+def _node_label(node: onnx.NodeProto, index: int) -> str:
+    return f"{node.name!r} ({node.op_type})" if node.name else f"#{index} ({node.op_type}, unnamed)"
+
+
+def _producers(graph: onnx.GraphProto, defined: set[str]) -> dict[str, int]:
+    producer: dict[str, int] = {}
+    for index, node in enumerate(graph.node):
+        for name in node.output:
+            if not name:
+                continue
+            if name in producer or name in defined:
+                first = (
+                    f"node {_node_label(graph.node[producer[name]], producer[name])}"
+                    if name in producer
+                    else "a graph input or initializer"
+                )
+                raise TrainingGraphError(
+                    f"value {name!r} is defined twice: by {first} and by node {_node_label(node, index)}; "
+                    "ONNX values have one producer"
+                )
+            producer[name] = index
+    return producer
+
+
+def _check_acyclic(graph: onnx.GraphProto, producer: dict[str, int]) -> None:
+    """Kahn's algorithm over node indices; what it cannot order lies on or after a cycle."""
+    nodes = graph.node
+    consumers: dict[int, list[int]] = {}
+    pending = [0] * len(nodes)
+    for index, node in enumerate(nodes):
+        sources = {producer[name] for name in node.input if name in producer}
+        pending[index] = len(sources)
+        for source in sources:
+            consumers.setdefault(source, []).append(index)
+    ready = [i for i, n in enumerate(pending) if n == 0]
+    done = 0
+    while ready:
+        index = ready.pop()
+        done += 1
+        for consumer in consumers.get(index, ()):
+            pending[consumer] -= 1
+            if pending[consumer] == 0:
+                ready.append(consumer)
+    if done < len(nodes):
+        stuck = [_node_label(nodes[i], i) for i, n in enumerate(pending) if n > 0]
+        shown = ", ".join(stuck[:5]) + (f" and {len(stuck) - 5} more" if len(stuck) > 5 else "")
+        raise TrainingGraphError(f"the graph has a cycle: nodes {shown} are on it or read from it")
+
+
+def _check_loss_is_scalar(graph: onnx.GraphProto, loss: str) -> None:
+    output = next(o for o in graph.output if o.name == loss)
+    if not output.type.tensor_type.HasField("shape"):
+        return  # undeclared: the gradient builder will tell
+    dims = output.type.tensor_type.shape.dim
+    if any(not (d.HasField("dim_value") and d.dim_value == 1) for d in dims):
+        shape = [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in dims]
+        raise TrainingGraphError(
+            f"loss {loss!r} is not a scalar (declared shape {shape}); reduce it (e.g. ReduceMean) before "
+            "building the gradient"
+        )
+
+
+_LOSS_OPS = {("", "SoftmaxCrossEntropyLoss"), ("com.microsoft", "SoftmaxCrossEntropyLossInternal")}
+_LABEL_TYPES = {onnx.TensorProto.INT32, onnx.TensorProto.INT64}
+
+
+def _check_label_types(graph: onnx.GraphProto) -> None:
+    types = {v.name: v.type.tensor_type.elem_type for v in (*graph.input, *graph.value_info)}
+    types.update({t.name: t.data_type for t in graph.initializer})
+    for index, node in enumerate(graph.node):
+        domain = "" if node.domain == "ai.onnx" else node.domain
+        if (domain, node.op_type) not in _LOSS_OPS or len(node.input) < 2:
+            continue
+        label_type = types.get(node.input[1], onnx.TensorProto.UNDEFINED)
+        if label_type not in (onnx.TensorProto.UNDEFINED, *_LABEL_TYPES):
+            raise TrainingGraphError(
+                f"loss node {_node_label(node, index)} reads labels {node.input[1]!r} of type "
+                f"{onnx.TensorProto.DataType.Name(label_type)}; labels must be int32 or int64 class indices"
+            )
 
 
 def _resolve_loss(proto: onnx.ModelProto, loss: str | None) -> str:
@@ -191,7 +300,16 @@ def _run_gradient_builder(proto: onnx.ModelProto, loss: str, params: Sequence[st
         builder.build()
         return onnx.load_from_string(builder.get_model())
     except Exception as exc:  # ORT raises RuntimeError/Fail/InvalidGraph with its message
-        raise TrainingGraphError(f"ONNX Runtime's gradient builder failed: {type(exc).__name__}: {exc}") from exc
+        raise TrainingGraphError(f"ONNX Runtime's gradient builder failed: {_ort_message(exc)}") from exc
+
+
+_ORT_ERROR = re.compile(r"\[ONNXRuntimeError\] : \d+ : (\w+) : (.*)", re.DOTALL)
+
+
+def _ort_message(exc: Exception) -> str:
+    """ORT's own words without the C++ source location and signature in front of them."""
+    match = _ORT_ERROR.search(str(exc))
+    return f"{match.group(1)}: {match.group(2).strip()}" if match else f"{type(exc).__name__}: {exc}"
 
 
 def _infer_forward_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
