@@ -169,8 +169,8 @@ def test_without_the_replay_the_clone_would_draw_another_mask(training_graph, ba
 
 def test_register_rng_replay_functions_finds_the_derived_names(training_graph):
     model = _recompute(training_graph, _pythonop_plan(training_graph))
-    names = register_names = recompute_pythonop.register_rng_replay_functions(model)
-    assert sorted(register_names) == sorted(
+    names = recompute_pythonop.register_rng_replay_functions(model)
+    assert sorted(names) == sorted(
         [f"{recompute_pythonop.SAVE_PREFIX}[{FLASH}]", f"{recompute_pythonop.REPLAY_PREFIX}[{FLASH}]"]
     )
     assert all(name in bridge.registered_functions() for name in names)

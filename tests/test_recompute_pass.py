@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import ortpass
-from ortpass.analysis.partition import SIDE_KEY, TrainingInfo, get_partition, set_training_info, tag
+from ortpass.analysis.partition import SIDE_KEY, TrainingInfo, set_training_info, tag
 from ortpass.errors import PassOrderingError, PlanError
 from ortpass.export import export
 from ortpass.passes import FixDropoutSeedPass, RecomputePass
