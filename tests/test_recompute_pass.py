@@ -21,7 +21,8 @@ from ortpass.analysis.partition import SIDE_KEY, TrainingInfo, set_training_info
 from ortpass.errors import PassOrderingError, PlanError
 from ortpass.export import export
 from ortpass.passes import FixDropoutSeedPass, RecomputePass
-from ortpass.passes.recompute import ORT_OPTIMIZERS_TO_DISABLE, RECOMPUTE_OF_KEY
+from ortpass.passes.recompute import RECOMPUTE_OF_KEY
+from ortpass.runtime.session import DISABLED_ORT_OPTIMIZERS
 from ortpass.runtime import TrainingSession
 from ortpass.testing.models import GPTDecoder
 from ortpass.training import build_training_graph
@@ -276,7 +277,7 @@ def test_common_subexpression_elimination_would_merge_clones(decoder_graph, tmp_
     clones = {n.name for n in recomputed.graph if n.name.endswith("_recompute")}
     with_cse = _surviving_clones(recomputed, _optimized_names(recomputed, tmp_path / "cse.onnx", []))
     without = _surviving_clones(
-        recomputed, _optimized_names(recomputed, tmp_path / "no_cse.onnx", list(ORT_OPTIMIZERS_TO_DISABLE))
+        recomputed, _optimized_names(recomputed, tmp_path / "no_cse.onnx", list(DISABLED_ORT_OPTIMIZERS))
     )
     assert without == clones
     assert len(with_cse) < len(clones)
@@ -296,7 +297,7 @@ def test_clones_run_after_forward_on_ort(decoder_graph, tmp_path):
         ir.to_proto(recomputed).SerializeToString(),
         options,
         providers=["CPUExecutionProvider"],
-        disabled_optimizers=list(ORT_OPTIMIZERS_TO_DISABLE),
+        disabled_optimizers=list(DISABLED_ORT_OPTIMIZERS),
     )
     feeds = {"input_ids": np.zeros((2, 16), np.int64), "labels": np.zeros((2, 16), np.int64)}
     session.run(None, feeds)

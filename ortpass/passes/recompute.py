@@ -34,9 +34,10 @@ run them there.  ``benchmarks/recompute_memory.py`` measures the resulting peak 
 (4-layer decoder, batch 8 x 512: step peak 890 MiB without recompute, 520 MiB at level 1).
 
 ORT's own optimizers can undo the rewrite: common subexpression elimination merges a clone
-back into its original (``TrainingSession`` disables it), and SkipLayerNormFusion fuses an
+back into its original, and SkipLayerNormFusion fuses an
 ``Add`` whose only remaining consumer is a LayerNormalization and drops that LayerNorm's
-mean and inverse-std outputs that backward reads.  See :data:`ORT_OPTIMIZERS_TO_DISABLE`.
+mean and inverse-std outputs that backward reads.  ``TrainingSession`` disables both
+(:data:`ortpass.runtime.session.DISABLED_ORT_OPTIMIZERS`).
 
 Dropout: the clone of a Dropout must draw the forward's mask, which holds only when the
 Dropout has a ``seed`` attribute (each kernel then owns a generator seeded alike and both
@@ -71,7 +72,6 @@ __all__ = [
     "AppliedPlan",
     "DROPOUT_OPS",
     "LEVELS",
-    "ORT_OPTIMIZERS_TO_DISABLE",
     "RECOMPUTE_OF_KEY",
     "RECOMPUTE_SUFFIX",
     "RecomputePass",
@@ -86,10 +86,6 @@ RECOMPUTE_SUFFIX = "_recompute"
 RECOMPUTE_OF_KEY = "pkg.ortpass.recompute_of"
 
 LEVELS = (0, 1, 2)
-
-#: ONNX Runtime session transformers that undo or break a recomputed graph (measured on
-#: 1.19.2).  Pass them as ``disabled_optimizers`` when creating a session.
-ORT_OPTIMIZERS_TO_DISABLE = ("CommonSubexpressionElimination", "SkipLayerNormFusion")
 
 #: (domain, op type) of the dropouts whose clone must replay the forward's mask.
 DROPOUT_OPS = frozenset(

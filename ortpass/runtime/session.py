@@ -9,6 +9,9 @@ every session:
   (measured on 1.19.2; shared/reference/stack-facts.md).  Training graphs from
   ``build_training_graph`` have had ORT's own pre-training transformers already, so
   little is lost.
+- SkipLayerNormFusion is disabled too: after recompute, a residual ``Add`` whose only
+  forward consumer is a LayerNormalization gets fused, and the fused node drops the
+  LayerNorm's Mean/InvStdDev outputs that backward reads (measured on 1.19.2).
 - The log level is "error": the training graph keeps parameters both as inputs and
   initializers (overridable defaults), about which ORT warns once per parameter.
 """
@@ -33,8 +36,8 @@ __all__ = ["StepResult", "TrainingSession", "dropout_mask_names", "DISABLED_ORT_
 
 logger = logging.getLogger(__name__)
 
-#: ORT graph transformers that would undo ortpass's rewrites (see the module docstring).
-DISABLED_ORT_OPTIMIZERS = ("CommonSubexpressionElimination",)
+#: ORT graph transformers that undo or break ortpass's rewrites (see the module docstring).
+DISABLED_ORT_OPTIMIZERS = ("CommonSubexpressionElimination", "SkipLayerNormFusion")
 
 
 @dataclasses.dataclass
