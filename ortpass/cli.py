@@ -34,9 +34,12 @@ __all__ = ["DEFAULT_PIPELINE", "main"]
 
 logger = logging.getLogger(__name__)
 
-#: What ``ortpass optimize`` runs without ``--pipeline``: every built-in pass, in any order
-#: (the manager orders them from their declarations).  Grows as passes land.
-DEFAULT_PIPELINE = "pythonop-shape-inference,insert-gather-before-sce-loss,build-training-graph"
+#: What ``ortpass optimize`` runs without ``--pipeline``: every built-in pass (the manager
+#: orders them from their declarations), recompute at ORTModule's layer-wise level 1.
+DEFAULT_PIPELINE = (
+    "pythonop-shape-inference,insert-gather-before-sce-loss,build-training-graph,"
+    "fix-dropout-seed(level=1),recompute(level=1)"
+)
 
 
 class UsageError(Exception):
