@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.functional import cross_entropy as imported_cross_entropy
 
+from ortpass.errors import ExportError
 from ortpass.export import export
 from ortpass.export.density import FUNCTIONAL_SITE, FlagAndPrintDensity, density_probe, label_density
 from ortpass.export.pythonop import pythonop_export_context
@@ -150,7 +151,7 @@ def test_everything_is_restored_on_exit_even_after_an_error():
 
 
 def test_probes_do_not_nest():
-    with density_probe(nn.Module()), pytest.raises(RuntimeError, match="do not nest"), density_probe(nn.Module()):
+    with density_probe(nn.Module()), pytest.raises(ExportError, match="do not nest"), density_probe(nn.Module()):
         pass
 
 

@@ -30,6 +30,7 @@ from typing import Callable, Iterator
 import onnx_ir as ir
 import torch
 
+from ortpass.errors import ExportError
 from ortpass.export.shape_inference import register_shape_inferer
 from ortpass.passes.insert_gather_before_sce_loss import PRINT_DENSITY_ENV
 
@@ -163,7 +164,7 @@ def density_probe(module: torch.nn.Module, threshold: float = DEFAULT_THRESHOLD)
     probe = DensityProbe(threshold=threshold)
     sites: list[str] = []  # names of the CrossEntropyLoss modules currently running
     if not _patch_lock.acquire(blocking=False):
-        raise RuntimeError("density_probe is already active; probes do not nest")
+        raise ExportError("density_probe is already active (in this or another thread); probes do not nest")
     try:
         original = getattr(_PATCH_OWNER, _PATCH_NAME)
         handles = _track_loss_modules(module, sites)
