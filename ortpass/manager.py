@@ -35,7 +35,7 @@ import os
 import re
 import time
 from pathlib import Path
-from typing import Any, Iterable, Iterator, NoReturn, Sequence
+from typing import Any, Callable, Iterable, Iterator, NoReturn, Sequence
 
 import onnx
 import onnx_ir as ir
@@ -468,31 +468,57 @@ class PassManager(ir.passes.FunctionalPass):
     def call(self, model: ir.Model) -> ManagerResult:
         report = PassReport()
         self.report = report
-        if self.check:
-            self._check_input(model)
+        # The serialized form of the model each pass is given, kept when checking anyway:
+        # it is the rollback point, so in-place passes can work on the manager's own copy
+        # instead of a fresh clone each (on a 6k-node training graph a clone costs about
+        # as much as the recompute analysis).
+        checked = self._check_input(model) if self.check else None
         self._notify("run_begin", self.passes, model)
         current = model
         try:
             for position, pass_ in enumerate(self.passes, start=1):
-                current = self._run_pass(position, pass_, current, report)
+                current, checked = self._run_pass(position, pass_, current, report, checked, owned=current is not model)
         finally:
             self._notify("run_end", current, report)
         if current is model:  # nothing replaced the input; a functional pass returns a new model
             current = model.clone()
         return ManagerResult(current, report.modified, report)
 
-    def _check_input(self, model: ir.Model) -> None:
+    def _check_input(self, model: ir.Model) -> onnx.ModelProto:
         try:
-            onnx.checker.check_model(ir.to_proto(model))
+            proto = ir.to_proto(model)
+            onnx.checker.check_model(proto)
         except Exception as exc:
             raise ModelLoadError(f"the input model fails the onnx checker before any pass ran: {_describe(exc)}") from exc
+        return proto
 
-    def _run_pass(self, position: int, pass_: ir.passes.PassBase, model: ir.Model, report: PassReport) -> ir.Model:
+    def _run_pass(
+        self,
+        position: int,
+        pass_: ir.passes.PassBase,
+        model: ir.Model,
+        report: PassReport,
+        checked: onnx.ModelProto | None,
+        *,
+        owned: bool,
+    ) -> tuple[ir.Model, onnx.ModelProto | None]:
+        """Run one pass; return the model after it and its checked serialization.
+
+        ``owned``: ``model`` is the manager's own (not the caller's).  ``checked``: ``model``
+        serialized, when the checks made it.  An in-place pass must not change the caller's
+        model, and a failed one must leave the model as it was: it works on a clone unless
+        the model is the manager's own and ``checked`` can restore it.
+        """
         record = PassRecord(position, _pass_name(pass_))
         self._notify("before_pass", pass_, model)
-        # An in-place (or destructive) pass gets a copy, so that `model` is still the
-        # model before this pass if it fails half way.
-        work = model.clone() if pass_.changes_input else model
+        in_place = pass_.changes_input and owned and checked is not None
+        work = model.clone() if pass_.changes_input and not in_place else model
+
+        def rollback() -> ir.Model:
+            # In place, `model` may be half rewritten: rebuild it from its serialization.
+            # Otherwise it is untouched (the pass had a clone, or returns a new model).
+            return ir.from_proto(checked) if in_place else model
+
         before = list(_all_nodes(work))  # the objects, kept alive for the identity diff
         record.nodes_before = len(before)
         start = time.perf_counter()
@@ -500,16 +526,16 @@ class PassManager(ir.passes.FunctionalPass):
             result = pass_(work)
         except Exception as exc:
             record.seconds = time.perf_counter() - start
-            self._fail(pass_, record, model, report, _describe(exc), exc)
+            self._fail(pass_, record, rollback(), report, _describe(exc), exc)
         record.seconds = time.perf_counter() - start
         record.stats = _stats_of(pass_)
         self._record_changes(record, result, before)
-        proto = self._check_output(pass_, record, model, report, result.model)
+        proto = self._check_output(pass_, record, rollback, report, result.model)
         if record.modified and self.dump_dir is not None:
             record.dump_path = self._dump(proto or ir.to_proto(result.model), f"{position:02d}_{record.name}.onnx")
         report.records.append(record)
         self._notify("after_pass", pass_, result.model, record)
-        return result.model
+        return result.model, proto
 
     def _record_changes(self, record: PassRecord, result: ir.passes.PassResult, before: list[ir.Node]) -> None:
         after = list(_all_nodes(result.model))
@@ -526,7 +552,12 @@ class PassManager(ir.passes.FunctionalPass):
             )
 
     def _check_output(
-        self, pass_: ir.passes.PassBase, record: PassRecord, model: ir.Model, report: PassReport, out: ir.Model
+        self,
+        pass_: ir.passes.PassBase,
+        record: PassRecord,
+        rollback: Callable[[], ir.Model],
+        report: PassReport,
+        out: ir.Model,
     ) -> onnx.ModelProto | None:
         if not self.check:
             return None
@@ -536,7 +567,8 @@ class PassManager(ir.passes.FunctionalPass):
             onnx.checker.check_model(proto)
         except Exception as exc:
             record.check_seconds = time.perf_counter() - start
-            self._fail(pass_, record, model, report, f"the model fails the onnx checker after this pass: {_describe(exc)}", exc)
+            reason = f"the model fails the onnx checker after this pass: {_describe(exc)}"
+            self._fail(pass_, record, rollback(), report, reason, exc)
         record.check_seconds = time.perf_counter() - start
         return proto
 
