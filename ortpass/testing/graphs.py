@@ -7,7 +7,7 @@ turns it into an ``onnx_ir.Model`` that ORT 1.19.2's gradient builder accepts:
 - one float batch input ``x`` of a small static shape, and float parameters (initializers)
   created by the steps that need weights;
 - a DAG of MatMul / Add / Mul / Gelu (com.microsoft) / Tanh / Relu / Sigmoid / Reshape /
-  Transpose / Dropout (seeded) / LayerNormalization / Softmax nodes, each step reading
+  Transpose / Dropout / LayerNormalization / Softmax nodes, each step reading
   one of the values made so far (not only the latest one, so branches and joins occur);
 - a loss: ``SoftmaxCrossEntropyLoss`` over logits ``[rows, classes]`` against the int64
   input ``labels`` (reduction mean or sum, with or without ``ignore_index``), or
