@@ -240,3 +240,19 @@ def test_context_restores_a_symbolic_registered_before_it():
         assert registration.registry.get_function_group("prim::PythonOp").get(1) is someone_elses
     finally:
         torch.onnx.unregister_custom_op_symbolic("prim::PythonOp", 1)
+
+
+def test_function_whose_inputs_need_no_gradient_exports_in_inference_mode():
+    # Nothing differentiable flows in: ORT builds no PythonOpGrad, so a training-mode ctx
+    # would never be released.  Gradients of other inputs keep training mode (previous test).
+    class _OnPlainInput(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(3, 3)
+
+        def forward(self, x):
+            return self.linear(TakesAnything.apply(x, 3)).sum()
+
+    (node,) = _pythonops(_export(_OnPlainInput(), (torch.randn(2, 3),)))
+    assert _attrs(node)["input_requires_grads"] == [0, 0]
+    assert _attrs(node)["training_mode"] == 0

@@ -222,17 +222,18 @@ def pythonop_attributes(call: FunctionCall, *, training: bool = True) -> dict[st
             f"{call.func_name}: {len(call.args)} arguments but input convention {call.input_convention!r}"
         )
     tensors = [a for a in call.args if isinstance(a, torch._C.Value)]
+    requires_grads = [int(isinstance(a, torch._C.Value) and a.requires_grad()) for a in call.args]
     attributes: dict[str, Any] = {
         "func_name": call.func_name,
         "input_convention": call.input_convention,
-        "input_requires_grads": [
-            int(isinstance(a, torch._C.Value) and a.requires_grad()) for a in call.args
-        ],
+        "input_requires_grads": requires_grads,
         "input_tensor_types": [_onnx_dtype(call, v, f"input {i}") for i, v in enumerate(tensors)],
         "input_tensor_ranks": [_rank(call, v, f"input {i}") for i, v in enumerate(tensors)],
         "output_tensor_types": [_onnx_dtype(call, v, f"output {i}") for i, v in enumerate(call.outputs)],
         "output_tensor_ranks": [_rank(call, v, f"output {i}") for i, v in enumerate(call.outputs)],
-        "training_mode": int(training),
+        # No input needs a gradient: ORT's gradient builder makes no PythonOpGrad, so nothing
+        # would ever release a context kept in training mode (one leaked per step).
+        "training_mode": int(training and any(requires_grads)),
         "safe_run_mode": 1,
     }
     attributes.update(constant_attributes(call.func_name, call.input_convention, call.args))
