@@ -505,3 +505,18 @@ def test_runs_from_a_pipeline_string_with_its_options():
     model = sce_model(flag=False)
     result = ortpass.pipeline("insert-gather-before-sce-loss(force=True, move_above_projection=True)")(model)
     assert gathered_inputs(result.model) == ["labels", "x"]
+
+
+def test_flag_shape_inferer_is_known_without_torch():
+    # A process that only loads a saved model must still give the flag its label's shape.
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, ortpass.passes\n"
+        "from ortpass.export.shape_inference import get_shape_inferer\n"
+        "from ortpass.passes.insert_gather_before_sce_loss import FLAG_FUNC_NAMES\n"
+        "assert all(get_shape_inferer(n) is not None for n in FLAG_FUNC_NAMES)\n"
+        "assert 'torch' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

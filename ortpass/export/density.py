@@ -27,11 +27,9 @@ import os
 import threading
 from typing import Callable, Iterator
 
-import onnx_ir as ir
 import torch
 
 from ortpass.errors import ExportError
-from ortpass.export.shape_inference import register_shape_inferer
 from ortpass.passes.insert_gather_before_sce_loss import PRINT_DENSITY_ENV
 
 __all__ = [
@@ -86,12 +84,6 @@ class FlagAndPrintDensity(torch.autograd.Function):
     def backward(ctx, grad_output: torch.Tensor):
         # Labels are integers: nothing flows back in practice, but stay an identity.
         return grad_output, None, None
-
-
-@register_shape_inferer(FlagAndPrintDensity)
-def _flag_shape(node: ir.Node, input_shapes, input_dtypes):
-    """The flag is an identity: its output keeps the label's dims (``batch``, ``seq``...)."""
-    return [input_shapes[0]], [input_dtypes[0]]
 
 
 def _report_step_density(labels: torch.Tensor, ignore_index: int, export_density: float) -> None:

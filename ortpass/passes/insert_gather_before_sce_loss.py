@@ -27,6 +27,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from ortpass.export.shape_inference import register_shape_inferer
 from ortpass.passes.base import CREATED_BY_KEY, OrtPass
 from ortpass.registry import register_pass
 
@@ -47,6 +48,18 @@ MS_DOMAIN = "com.microsoft"
 FLAG_FUNC_NAME = "ortpass.export.density.FlagAndPrintDensity"
 #: Flags this pass recognizes: ours, and the one ORTModule exported.
 FLAG_FUNC_NAMES = frozenset({FLAG_FUNC_NAME, "onnxruntime.training.ortmodule._runtime_inspector.FlagAndPrintDensity"})
+
+
+
+def _flag_shape(node: ir.Node, input_shapes, input_dtypes):
+    """The flag is an identity: its output keeps the label's dims (``batch``, ``seq``...)."""
+    return [input_shapes[0]], [input_dtypes[0]]
+
+
+# Registered here, not beside the torch Function, so that a process that only loads a
+# saved model (and never imports torch) still infers the flag's shape.
+for _name in sorted(FLAG_FUNC_NAMES):
+    register_shape_inferer(_name)(_flag_shape)
 
 #: Environment switch (as ORT's ``ORTMODULE_PRINT_INPUT_DENSITY``): keep the flags so that
 #: they report the label density at every step when run through the torch bridge.
