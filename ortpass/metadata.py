@@ -9,7 +9,7 @@ import onnx_ir as ir
 
 __all__ = ["EXPORT_KEY", "get_export_info"]
 
-# Written by ortpass.export.export: {"loss", "params", "dims", "opset"}.
+# Written by ortpass.export.export: {"loss", "params", "dims", "opset", "label_density"}.
 EXPORT_KEY = "pkg.ortpass.export"
 
 

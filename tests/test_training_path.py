@@ -33,6 +33,10 @@ def test_export_names_parameters_and_loss():
     info = json.loads(model.metadata_props["pkg.ortpass.export"])
     assert info["params"] == [name for name, _ in module.named_parameters()]
     assert info["dims"] == {"batch": 6}
+    # 5 of 6 labels are not ignore_index: 83.3% < 90%, so the label was flagged.
+    (density,) = info["label_density"]
+    assert (density["valid"], density["total"], density["flagged"]) == (5, 6, True)
+    assert density["density"] == pytest.approx(500 / 6)
     assert model.graph.inputs[0].shape[0] == ir.SymbolicDim("batch")
 
 

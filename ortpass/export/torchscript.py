@@ -10,6 +10,7 @@ that ``torch.library.custom_op`` functions take.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import logging
@@ -72,7 +73,9 @@ def export(
     if len(input_names) != len(args):
         raise ExportError(f"{len(input_names)} input_names for {len(args)} arguments")
 
-    proto = _run_torchscript_export(module, args, list(input_names), loss_name, opset, dynamic_axes, density_threshold)
+    proto, density_records = _run_torchscript_export(
+        module, args, list(input_names), loss_name, opset, dynamic_axes, density_threshold
+    )
     _check_loss_output(proto, loss_name)
     model = ir.from_proto(proto)
     # TorchScript names values after the symbolics ran, so ctx outputs are named here.
@@ -85,30 +88,31 @@ def export(
         "params": params,
         "dims": _export_dims(args, input_names, dynamic_axes),
         "opset": opset,
+        "label_density": [dataclasses.asdict(record) for record in density_records],
     }
     model.metadata_props[EXPORT_KEY] = json.dumps(info)
     logger.info("exported %s: %d nodes, %d trainable parameters", type(module).__name__, len(model.graph), len(params))
     return model
 
 
-def _export_contexts(module: torch.nn.Module, density_threshold: float | None) -> contextlib.ExitStack:
-    # Imported here: both hook into torch while the exporter runs and must be undone after.
+def _run_torchscript_export(module, args, input_names, loss_name, opset, dynamic_axes, density_threshold):
+    """Run torch's exporter with PythonOp export and the density probe hooked in.
+
+    Returns the model proto and the probe's records (what it measured per loss call).
+    """
+    # Imported here: both hook into torch while the exporter runs and are undone after.
     from ortpass.export.density import density_probe
     from ortpass.export.pythonop import pythonop_export_context
 
-    stack = contextlib.ExitStack()
-    stack.enter_context(pythonop_export_context())
-    if density_threshold is not None:
-        stack.enter_context(density_probe(module, threshold=density_threshold))
-    return stack
-
-
-def _run_torchscript_export(module, args, input_names, loss_name, opset, dynamic_axes, density_threshold):
     was_training = module.training
     module.train()
     buffer = io.BytesIO()
+    probe = None
     try:
-        with _export_contexts(module, density_threshold), warnings.catch_warnings():
+        with contextlib.ExitStack() as hooks, warnings.catch_warnings():
+            hooks.enter_context(pythonop_export_context())
+            if density_threshold is not None:
+                probe = hooks.enter_context(density_probe(module, threshold=density_threshold))
             # The TorchScript exporter is deprecated in favour of dynamo; it is the path that
             # supports PythonOp and training-mode Dropout, so silence the notice.
             warnings.simplefilter("ignore", category=DeprecationWarning)
@@ -132,7 +136,7 @@ def _run_torchscript_export(module, args, input_names, loss_name, opset, dynamic
         raise ExportError(f"torch.onnx.export of {type(module).__name__} failed: {type(exc).__name__}: {exc}") from exc
     finally:
         module.train(was_training)
-    return onnx.load_from_string(buffer.getvalue())
+    return onnx.load_from_string(buffer.getvalue()), (probe.records if probe is not None else [])
 
 
 def _check_loss_output(proto: onnx.ModelProto, loss_name: str) -> None:
