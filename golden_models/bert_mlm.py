@@ -9,7 +9,10 @@ import torch
 from ortpass.golden import GoldenCase
 from ortpass.testing.models import BertMLM
 
-PIPELINE = "insert-gather-before-sce-loss,build-training-graph,fix-dropout-seed(level=1),recompute(level=1)"
+PIPELINE = (
+    "insert-gather-before-sce-loss(move_above_projection=True),build-training-graph,"
+    "fix-dropout-seed(level=1),recompute(level=1)"
+)
 
 
 def case() -> GoldenCase:

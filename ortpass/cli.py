@@ -35,9 +35,11 @@ __all__ = ["DEFAULT_PIPELINE", "main"]
 logger = logging.getLogger(__name__)
 
 #: What ``ortpass optimize`` runs without ``--pipeline``: every built-in pass (the manager
-#: orders them from their declarations), recompute at ORTModule's layer-wise level 1.
+#: orders them from their declarations), recompute at ORTModule's layer-wise level 1, and
+#: the label gather above the vocabulary projection (faster on CPU at every flagged
+#: density; benchmarks/sce_gather.py).
 DEFAULT_PIPELINE = (
-    "pythonop-shape-inference,insert-gather-before-sce-loss,build-training-graph,"
+    "pythonop-shape-inference,insert-gather-before-sce-loss(move_above_projection=True),build-training-graph,"
     "fix-dropout-seed(level=1),recompute(level=1)"
 )
 
