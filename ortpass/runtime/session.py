@@ -12,6 +12,13 @@ every session:
 - SkipLayerNormFusion is disabled too: after recompute, a residual ``Add`` whose only
   forward consumer is a LayerNormalization gets fused, and the fused node drops the
   LayerNorm's Mean/InvStdDev outputs that backward reads (measured on 1.19.2).
+- GeluFusion is disabled too: once recompute serves backward from clones, the forward's
+  Erf-based Gelu chain is read by forward only and gets fused into a Gelu kernel that
+  rounds differently from the (unfused) clone chain, so gradients drift by an ulp.
+- GemmTransposeFusion is disabled: it replaces weight-gradient Gemms, which produce graph
+  outputs, by new nodes that ORT's default order visits first; that order then defers
+  every other gradient output (bias ReduceSums) to the end of the step and keeps their
+  inputs alive (see ``ortpass.passes.recompute``, execution order).
 - The log level is "error": the training graph keeps parameters both as inputs and
   initializers (overridable defaults), about which ORT warns once per parameter.
 """
@@ -37,7 +44,7 @@ __all__ = ["StepResult", "TrainingSession", "dropout_mask_names", "DISABLED_ORT_
 logger = logging.getLogger(__name__)
 
 #: ORT graph transformers that undo or break ortpass's rewrites (see the module docstring).
-DISABLED_ORT_OPTIMIZERS = ("CommonSubexpressionElimination", "SkipLayerNormFusion")
+DISABLED_ORT_OPTIMIZERS = ("CommonSubexpressionElimination", "SkipLayerNormFusion", "GeluFusion", "GemmTransposeFusion")
 
 
 @dataclasses.dataclass
