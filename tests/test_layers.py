@@ -86,5 +86,11 @@ def test_layernorm_rule_on_a_hand_built_graph():
     position = {n.name: i for i, n in enumerate(forward)}
     assert boundaries.layer_of(position["mlp0_add"]) == 0
     assert boundaries.layer_of(position["attn1_act"]) == 1
-    assert boundaries.layer_of(position["ln_f"]) == 1  # the tail belongs to the last layer
+    # The last layer ends with the last Add of its residual stream (mlp1_add); ln_f is after it.
+    assert boundaries.layer_of(position["mlp1_add"]) == 1
+    assert boundaries.layer_of(position["ln_f"]) is None
     assert boundaries.is_layer_input(model.graph.node("attn0_ln").inputs[0])
+    assert boundaries.is_checkpoint(model.graph.node("attn1_ln").inputs[0])
+    assert boundaries.is_checkpoint(model.graph.node("mlp1_add").outputs[0])  # the last layer's output
+    assert not boundaries.is_checkpoint(model.graph.node("attn0_add").outputs[0])  # inside layer 0
+

@@ -184,3 +184,77 @@ def test_an_unregistered_function_is_refused_and_the_model_is_unchanged(training
     with pytest.raises(ortpass.errors.UnregisteredFunctionError, match="FlashAttentionFunction"):
         RecomputePass(plan, min_elements=0)(model)
     assert [n.name for n in model.graph] == before
+
+
+# -- the ctx's size, and layers found through a registered attention Function ----------------
+
+QKV_BYTES = 3 * BATCH * HEADS * SEQ * HEAD_DIM * 4  # q, k, v in float32: what the ctx holds
+
+
+def test_the_ctx_counts_the_inputs_it_holds(training_graph):
+    # Backward reads none of q, k, v (PythonOpGrad reads the ctx and the output gradient),
+    # so the ctx is what keeps them: 3 x 512 float32, not the 8 bytes of its int64 handle.
+    report = find_recompute_candidates(training_graph, min_elements=0)
+    (ctx,) = [s for s in report.stashed if s.producer.op_type == "PythonOp"]
+    assert ctx.value.dtype == ir.DataType.INT64 and ctx.bytes == QKV_BYTES
+    (occurrence,) = [o for p in report.plans for o in p.occurrences if o.entry.op_type == "PythonOp"]
+    assert occurrence.saving_bytes == QKV_BYTES
+
+
+def test_the_size_floor_applies_to_what_the_ctx_holds(training_graph):
+    elements = QKV_BYTES // 4
+
+    def floor_rejects(min_elements: int) -> bool:
+        report = find_recompute_candidates(training_graph, min_elements=min_elements)
+        return any(s.entry.op_type == "PythonOp" and "smaller than" in s.reason for s in report.skipped)
+
+    assert not floor_rejects(elements)
+    assert floor_rejects(elements + 1)
+
+
+def _flash_decoder_graph(layers: int) -> ir.Model:
+    from ortpass.testing.flash_attention import use_flash_attention
+    from ortpass.testing.models import GPTDecoder
+
+    torch.manual_seed(0)
+    model = use_flash_attention(GPTDecoder(vocab=32, hidden=HIDDEN, heads=HEADS, layers=layers, max_seq=SEQ, dropout=0.2))
+    ids = torch.randint(0, 32, (BATCH, SEQ))
+    return build_training_graph(export(model, (ids, ids), input_names=["input_ids", "labels"]))
+
+
+@pytest.fixture(scope="module")
+def flash_decoder() -> ir.Model:
+    return _flash_decoder_graph(2)
+
+
+def test_layers_are_found_through_a_registered_attention_function(flash_decoder, monkeypatch):
+    from ortpass.analysis import find_layer_boundaries, get_partition
+    from ortpass.analysis import recomputable_ops
+
+    forward = get_partition(flash_decoder).forward
+    assert not any(n.op_type == "Softmax" for n in forward)  # attention is only in the PythonOps
+    assert len(find_layer_boundaries(forward)) == 2
+    # Registered as recomputable but not as attention: no layer is found.
+    monkeypatch.setattr(recomputable_ops, "_ATTENTION_FUNCTIONS", set())
+    assert len(find_layer_boundaries(forward)) == 0
+
+
+def test_level_1_recomputes_the_attention_function_with_identical_gradients(flash_decoder):
+    passes = [RecomputePass(level=1, min_elements=0), FixDropoutSeedPass(level=1, min_elements=0)]
+    model = ortpass.PassManager(passes, assume=["training-graph"])(flash_decoder).model
+    clones = [n for n in _pythonops(model) if n.name.endswith("_recompute")]
+    assert len(clones) == 2
+    rng = np.random.default_rng(3)
+    batch = {"input_ids": rng.integers(0, 32, (BATCH, SEQ)), "labels": rng.integers(0, 32, (BATCH, SEQ))}
+    # The baseline's Dropouts are seeded like the recomputed graph's (FixDropoutSeedPass
+    # alone); the attention dropout inside the Function draws from torch's generator.
+    seeded = ortpass.PassManager([FixDropoutSeedPass(level=1, min_elements=0)], assume=["training-graph"])
+    baseline = TrainingSession(seeded(flash_decoder).model)
+    recomputed = TrainingSession(model)
+    torch.manual_seed(7)
+    expected = baseline.run(batch)
+    torch.manual_seed(7)
+    got = recomputed.run(batch)
+    assert got.loss == expected.loss
+    for name, grad in expected.gradients.items():
+        np.testing.assert_array_equal(got.gradients[name], grad, err_msg=name)

@@ -105,14 +105,25 @@ def test_expand_tile_chain_is_one_cluster():
     assert report.plans[0].saving_bytes == 8 * 8 * 64 * 4
 
 
-def matmul_transpose_reshape_model(backward_reads_transpose=False):
+def matmul_transpose_reshape_model(backward_reads_transpose=False, computed_shape=False):
+    """x @ W -> Transpose -> Reshape(shape); ``computed_shape``: the shape is
+    ``Concat(Unsqueeze(Gather(Shape(x), 0)), [-1])``, as torch exports ``t.reshape(b, -1)``."""
     w = oh.make_tensor("W", F32, [64, 64], np.zeros(64 * 64, np.float32))
-    shape = oh.make_tensor("shape", I64, [2], [0, -1])
     forward = [
         oh.make_node("MatMul", ["x", "W"], ["m"], name="matmul"),
         oh.make_node("Transpose", ["m"], ["t"], name="transpose", perm=[0, 2, 1]),
         oh.make_node("Reshape", ["t", "shape"], ["r"], name="reshape"),
     ]
+    constants = [oh.make_tensor("shape", I64, [2], [0, -1])]
+    if computed_shape:
+        constants = [oh.make_tensor(n, I64, dims, vals) for n, dims, vals in
+                     [("zero", [], [0]), ("axes", [1], [0]), ("minus_one", [1], [-1])]]
+        forward[2:2] = [
+            oh.make_node("Shape", ["x"], ["x_shape"], name="shape_of_x"),
+            oh.make_node("Gather", ["x_shape", "zero"], ["b"], name="gather_batch", axis=0),
+            oh.make_node("Unsqueeze", ["b", "axes"], ["b1"], name="unsqueeze_batch"),
+            oh.make_node("Concat", ["b1", "minus_one"], ["shape"], name="concat_shape", axis=0),
+        ]
     reads = ["r", "t"] if backward_reads_transpose else ["r"]
     return training_graph(
         forward,
@@ -120,7 +131,7 @@ def matmul_transpose_reshape_model(backward_reads_transpose=False):
         [_vi("x", F32, ["batch", 16, 64])],
         # The Reshape's output dims are anonymous: only its buffer (t) has a known size.
         [_vi("m", F32, ["batch", 16, 64]), _vi("t", F32, ["batch", 64, 16]), _vi("r", F32, [None, None])],
-        [w, shape],
+        [w, *constants],
     )
 
 
@@ -132,6 +143,17 @@ def test_matmul_transpose_reshape_is_found_with_saving_on_the_real_buffer():
     # dims are unknown.
     assert plan.saving_bytes == 8 * 64 * 16 * 4
     assert [s.buffer.name for s in report.stashed] == ["t"]
+
+
+def test_a_reshape_shape_computed_from_shape_ops_is_read_not_recomputed():
+    # Following the shape input would reach Concat (not recomputable, not read by backward)
+    # and fail the candidate even with no size floor; the clone reads the forward's shape.
+    report = analyse(matmul_transpose_reshape_model(computed_shape=True), min_elements=0)
+    plan = report.plan("MatMul+Transpose+Reshape+")
+    assert plan is not None, report.to_table()
+    (occ,) = plan.occurrences
+    assert "shape" in [v.name for v in occ.boundary] and not occ.kept
+    assert occ.saving_bytes == 8 * 64 * 16 * 4
 
 
 def test_a_buffer_and_its_stashed_reshape_are_recomputed_together():

@@ -8,8 +8,9 @@ the boundary that opens a layer when
    after the LayerNorm (the residual add that closes the attention block), and
 2. a walk over forward consumers starting at the LayerNorm, visiting only nodes placed
    before that ``Add``, reaches an attention op: Softmax, com.microsoft BiasSoftmax,
-   com.microsoft (Multi)Attention, or a PythonOp whose ``func_name`` is a FlashAttention
-   function.
+   com.microsoft (Multi)Attention, or a PythonOp whose ``func_name`` is registered as a
+   recomputable attention function (``register_recomputable_function(name,
+   attention=True)``; flash_attn's functions are, as in ORT).
 
 The MLP's LayerNorm fails (2): its sub-block reaches no attention op before its residual
 add; a final LayerNorm fails (1): nothing adds to its input.  So a pre-LN decoder with N
@@ -17,7 +18,14 @@ layers has N boundaries.  Restricting the walk to nodes placed before the ``Add`
 each walk by its block, so detection is linear in the graph size.
 
 Layer ``k`` spans the forward nodes from boundary ``k`` (inclusive) up to boundary ``k+1``
-(exclusive); the last layer runs to the end of the forward part.
+(exclusive).  The last layer ends with the last residual ``Add`` of its stream (follow the
+residual stream from its input through each ``Add`` that reads it); what follows (the
+final LayerNorm, the head, the loss) lies outside every layer.
+
+A layer's *checkpoints* are the values a layer-wise plan keeps: each layer's input (input
+0 of its boundary) and the last layer's output.  Without the latter, the head's backward
+would read a final residual recomputed from the last layer's input, and the whole last
+layer would be recomputed (and held) before the loss's backward could start.
 """
 
 from __future__ import annotations
@@ -30,7 +38,9 @@ from typing import Sequence
 
 import onnx_ir as ir
 
-__all__ = ["LAYER_NORM_OPS", "ATTENTION_FUNCTIONS", "LayerBoundaries", "find_layer_boundaries"]
+from ortpass.analysis.recomputable_ops import attention_functions, recomputable_function_of
+
+__all__ = ["LAYER_NORM_OPS", "LayerBoundaries", "find_layer_boundaries"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,9 +48,6 @@ LAYER_NORM_OPS = frozenset(
     {"LayerNormalization", "SimplifiedLayerNormalization", "SkipLayerNormalization", "SkipSimplifiedLayerNormalization"}
 )
 _ATTENTION_OPS = frozenset({"Softmax", "BiasSoftmax", "BiasSoftmaxDropout", "Attention", "MultiHeadAttention"})
-ATTENTION_FUNCTIONS = frozenset(
-    {"flash_attn.flash_attn_interface.FlashAttnFunc", "flash_attn.flash_attn_interface.FlashAttnVarlenFunc"}
-)
 
 
 @dataclasses.dataclass
@@ -49,7 +56,8 @@ class LayerBoundaries:
 
     nodes: list[ir.Node]
     _starts: list[int]  # position of each boundary in the forward order
-    _end: int  # one past the last forward position
+    _end: int  # one past the last node of the last layer
+    last_output: ir.Value | None = None  # the residual stream leaving the last layer
 
     def __post_init__(self) -> None:
         self._node_set = frozenset(self.nodes)
@@ -67,27 +75,39 @@ class LayerBoundaries:
         """True when ``value`` is input 0 of a boundary LayerNorm (the residual entering a layer)."""
         return any(use.idx == 0 and use.node in self._node_set for use in value.uses())
 
+    def is_checkpoint(self, value: ir.Value) -> bool:
+        """True when a layer-wise plan keeps ``value``: a layer's input or the last layer's output."""
+        return value is self.last_output or self.is_layer_input(value)
+
 
 def _is_attention(node: ir.Node) -> bool:
     if node.op_type in _ATTENTION_OPS:
         return True
-    if node.op_type == "PythonOp":
-        func_name = node.attributes.get("func_name")
-        return func_name is not None and func_name.as_string() in ATTENTION_FUNCTIONS
-    return False
+    func_name = recomputable_function_of(node)
+    return func_name is not None and func_name in attention_functions()
 
 
 def _residual_add(ln: ir.Node, position: dict[ir.Node, int]) -> ir.Node | None:
     """The first forward Add after ``ln`` that also reads ``ln``'s input 0."""
     x = ln.inputs[0] if ln.inputs else None
-    if x is None:
-        return None
-    adds = [
-        use.node
-        for use in x.uses()
-        if use.node.op_type == "Add" and position.get(use.node, -1) > position[ln]
-    ]
+    return None if x is None else _next_add(x, position[ln], position)
+
+
+def _next_add(value: ir.Value, after: int, position: dict[ir.Node, int]) -> ir.Node | None:
+    """The first forward Add placed after position ``after`` that reads ``value``."""
+    adds = [use.node for use in value.uses() if use.node.op_type == "Add" and position.get(use.node, -1) > after]
     return min(adds, key=position.__getitem__) if adds else None
+
+
+def _last_residual_add(ln: ir.Node, position: dict[ir.Node, int]) -> ir.Node | None:
+    """Follow the residual stream entering boundary ``ln`` through each Add that reads it;
+    the last such Add closes the layer."""
+    add = _residual_add(ln, position)
+    last = None
+    while add is not None:
+        last = add
+        add = _next_add(add.outputs[0], position[add], position)
+    return last
 
 
 def _reaches_attention_before(ln: ir.Node, stop: int, position: dict[ir.Node, int]) -> bool:
@@ -121,4 +141,9 @@ def find_layer_boundaries(forward: Sequence[ir.Node]) -> LayerBoundaries:
         if _reaches_attention_before(node, position[add], position):
             boundaries.append(node)
     logger.debug("layer boundaries: %s", [n.name for n in boundaries])
-    return LayerBoundaries(boundaries, [position[n] for n in boundaries], len(forward))
+    end, last_output = len(forward), None
+    if boundaries:
+        closing = _last_residual_add(boundaries[-1], position)
+        if closing is not None:
+            end, last_output = position[closing] + 1, closing.outputs[0]
+    return LayerBoundaries(boundaries, [position[n] for n in boundaries], end, last_output)

@@ -16,6 +16,12 @@ Differences from ORT 1.19.2's table, on purpose:
 - opset 21 versions of Cast, Reshape, Squeeze, Unsqueeze, Transpose and ConstantOfShape are
   accepted: opset 21 only added 4-bit element types to them;
 - Flatten and Identity are accepted (views; ORT's CPU kernels alias their input);
+- Reshape's shape input is not followed (ORT follows it): it is a handful of int64s,
+  usually computed by Shape/Gather/Unsqueeze/Concat arithmetic outside the table, so
+  following it failed every candidate ending in such a Reshape; the clone reads the
+  forward's shape instead, which is the same value;
+- Erf is accepted: it is element-wise and cheap, and torch exports the exact Gelu through
+  it (ORT's table needs no Erf because ORT fuses that pattern into a Gelu op first);
 - ``com.microsoft::PythonOp`` is recomputable only when its ``func_name`` is registered with
   :func:`register_recomputable_function` (FlashAttention-like functions are registered
   here; ORT hard-codes the same list).  Its clone must replay the forward's randomness,
@@ -43,6 +49,8 @@ __all__ = [
     "register_recomputable_function",
     "unregister_recomputable_function",
     "recomputable_functions",
+    "attention_functions",
+    "recomputable_function_of",
     "node_opset",
     "since_version",
 ]
@@ -74,9 +82,12 @@ _TABLE: dict[tuple[str, str], RecomputableOp] = {}
 
 # func_name values of PythonOps that may be recomputed.  FlashAttention's functions are
 # deterministic given the RNG state, which the recompute pass saves and replays.
-_RECOMPUTABLE_FUNCTIONS: set[str] = {
+_ATTENTION_FUNCTIONS: set[str] = {
     "flash_attn.flash_attn_interface.FlashAttnFunc",
     "flash_attn.flash_attn_interface.FlashAttnVarlenFunc",
+}
+_RECOMPUTABLE_FUNCTIONS: set[str] = {
+    *_ATTENTION_FUNCTIONS,
     "flash_attn.bert_padding.IndexFirstAxis",
     "flash_attn.bert_padding.IndexPutFirstAxis",
 }
@@ -104,23 +115,44 @@ def register_recomputable_op(
     return entry
 
 
-def register_recomputable_function(func_name: str) -> None:
+def register_recomputable_function(func_name: str, *, attention: bool = False) -> None:
     """Allow PythonOps with this ``func_name`` (``module.QualName``) in recompute subgraphs.
 
     Register only functions whose forward is cheap relative to the memory its outputs hold
     and whose randomness (if any) comes from torch's RNG state, which the clone replays.
+    ``attention=True`` also makes the function an attention op for layer detection
+    (:mod:`ortpass.analysis.layers`), as ORT treats flash_attn's functions.
     """
     if not isinstance(func_name, str) or not func_name:
         raise ValueError(f"func_name must be a non-empty string, not {func_name!r}")
     _RECOMPUTABLE_FUNCTIONS.add(func_name)
+    if attention:
+        _ATTENTION_FUNCTIONS.add(func_name)
+    else:
+        _ATTENTION_FUNCTIONS.discard(func_name)
 
 
 def unregister_recomputable_function(func_name: str) -> None:
     _RECOMPUTABLE_FUNCTIONS.discard(func_name)
+    _ATTENTION_FUNCTIONS.discard(func_name)
 
 
 def recomputable_functions() -> frozenset[str]:
     return frozenset(_RECOMPUTABLE_FUNCTIONS)
+
+
+def attention_functions() -> frozenset[str]:
+    """The registered recomputable functions that compute attention."""
+    return frozenset(_ATTENTION_FUNCTIONS)
+
+
+def recomputable_function_of(node: ir.Node) -> str | None:
+    """The ``func_name`` of a PythonOp whose function is registered as recomputable, else None."""
+    if _normalize_domain(node.domain) != MS_DOMAIN or node.op_type != "PythonOp":
+        return None
+    attr = node.attributes.get("func_name")
+    name = attr.as_string() if attr is not None else None
+    return name if name in _RECOMPUTABLE_FUNCTIONS else None
 
 
 def recomputable_ops(probe_level: int = ProbeLevel.ADVANCED) -> list[RecomputableOp]:
@@ -167,10 +199,8 @@ def lookup_recomputable(
     opset = node_opset(node, opset_imports)
     if opset is None or since_version(entry.domain, node.op_type, opset) not in entry.since_versions:
         return None
-    if entry.domain == MS_DOMAIN and node.op_type == "PythonOp":
-        func_name = node.attributes.get("func_name")
-        if func_name is None or func_name.as_string() not in _RECOMPUTABLE_FUNCTIONS:
-            return None
+    if entry.domain == MS_DOMAIN and node.op_type == "PythonOp" and recomputable_function_of(node) is None:
+        return None
     return entry
 
 
@@ -198,12 +228,16 @@ def _register_defaults() -> None:
         ("Dropout", (12, 13), basic, (1, 2)),  # ratio, training_mode
         ("Einsum", (12,), basic, ()),
         ("Equal", (1, 7, 11, 13, 19), basic, ()),
+        # Not in ORT's table: ORT fuses Gelu before its analysis, torch exports it as
+        # Div/Erf/Add/Mul/Mul, and without Erf the chain fails and keeps Gelu's largest
+        # intermediate (4 x hidden per token) alive in every layer.
+        ("Erf", (9, 13), basic, ()),
         ("Less", (1, 7, 9, 13), basic, ()),
         ("Expand", (8, 13), basic, (1,)),  # the shape
         ("Gather", (1, 11, 13), basic, (1,)),  # the indices
         ("Gelu", (20,), basic, ()),
         ("Range", (11,), basic, (0, 1, 2)),  # scalars
-        ("Reshape", (1, 5, 13, 14, 19, 21), basic, ()),
+        ("Reshape", (1, 5, 13, 14, 19, 21), basic, (1,)),  # the shape (see the module docstring)
         ("Slice", (1, 10, 11, 13), basic, (1, 2, 3, 4)),  # starts, ends, axes, steps
         ("Split", (1, 2, 11, 13, 18), basic, (1,)),  # the split sizes
         ("Squeeze", (1, 11, 13, 21), basic, (1,)),  # the axes

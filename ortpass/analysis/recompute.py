@@ -15,6 +15,9 @@ Rules (ORT's memory optimizer, ``recompute_analysis.cc``, restated; differences 
   backward does not read fails the candidate; so does growing past ``max_nodes`` (50).
 - *Size floor*: a stashed buffer that is all-static and smaller than ``min_elements``
   (1Mi elements, ORT's floor) is not worth recomputing.
+- *PythonOp ctx* (not in ORT): the stashed ctx of a registered recomputable Function is
+  an int64 handle; its size is estimated as the tensor inputs it holds that nothing else
+  keeps alive (``_Analysis.context_buffers``), for the floor and the savings.
 - *Aliases* (better than ORT): savings are counted on buffers (:class:`BufferMap`).  A
   stashed view (Reshape, Squeeze, ...) frees memory only if the subgraph also recomputes
   the node that produced its buffer; a subgraph ending in a view (``MatMul+Transpose+
@@ -29,7 +32,8 @@ Rules (ORT's memory optimizer, ``recompute_analysis.cc``, restated; differences 
   type-2 plan is also offered where the full (type 1) subgraph fails.
 - *Layer-wise* (``layer_boundary=True``): only entries inside a detected layer
   (:mod:`ortpass.analysis.layers`) are candidates, and a layer's input (input 0 of its
-  boundary LayerNorm) is kept, as a per-layer checkpoint, not recomputed.
+  boundary LayerNorm) is kept, as a per-layer checkpoint, not recomputed; so is the last
+  layer's output (what the head reads).
 
 The analysis reads the model and never changes it.
 """
@@ -50,7 +54,7 @@ from ortpass.analysis import memory
 from ortpass.analysis.layers import LayerBoundaries, find_layer_boundaries
 from ortpass.analysis.partition import Partition, get_partition
 from ortpass.analysis.plans import PlanSpec, PlanType, cluster_id, parse_plans
-from ortpass.analysis.recomputable_ops import ProbeLevel, RecomputableOp, lookup_recomputable
+from ortpass.analysis.recomputable_ops import ProbeLevel, RecomputableOp, lookup_recomputable, recomputable_function_of
 from ortpass.metadata import get_export_info
 
 __all__ = [
@@ -359,15 +363,46 @@ class _Analysis:
         return self._lookup_cache[node]
 
     def nbytes(self, value: ir.Value) -> sympy.Expr | None:
+        """Bytes ``value`` keeps alive (for a PythonOp's ctx, the estimate of
+        :meth:`context_buffers`), or None when unknown."""
         if value not in self._bytes_cache:
-            self._bytes_cache[value] = memory.symbolic_nbytes(value)
+            held = self.context_buffers(value)
+            if held is None:
+                size = memory.symbolic_nbytes(value)
+            else:
+                sizes = [memory.symbolic_nbytes(v) for v in held]
+                size = None if None in sizes else sympy.Add(*sizes)  # type: ignore[arg-type]
+            self._bytes_cache[value] = size
         return self._bytes_cache[value]
 
-    def buffer_bytes(self, value: ir.Value) -> sympy.Expr | None:
-        return self.nbytes(self.buffers.root(value))
+    def context_buffers(self, value: ir.Value) -> list[ir.Value] | None:
+        """What the ctx output of a registered recomputable PythonOp holds, else None.
+
+        The ctx is an int64 handle; the memory is what the Function saved in it, which
+        ONNX does not show.  Estimate (FlashAttention-like functions save their tensor
+        inputs, ``q, k, v``): the buffers of the PythonOp's tensor inputs that nothing else
+        keeps alive, i.e. not read by backward and not graph inputs, initializers or
+        Constants.  Inputs backward reads anyway cost the ctx nothing.
+        """
+        node = value.producer()
+        if node is None or value.index() != 0 or recomputable_function_of(node) is None:
+            return None
+        roots = dict.fromkeys(self.buffers.root(v) for v in node.inputs if v is not None)
+        return [
+            root for root in roots
+            if root.producer() is not None and not _is_constant(root.producer()) and root not in self.stashed_buffers
+        ]
+
+    def static_numel(self, value: ir.Value) -> int | None:
+        """Element count when static (for a ctx, of what it holds), else None."""
+        held = self.context_buffers(value)
+        if held is None:
+            return memory.static_numel(value)
+        counts = [memory.static_numel(v) for v in held]
+        return None if None in counts else sum(counts)  # type: ignore[arg-type]
 
     def below_floor(self, value: ir.Value) -> bool:
-        numel = memory.static_numel(value)
+        numel = self.static_numel(value)
         return numel is not None and numel < self.min_elements
 
     def layer_of(self, node: ir.Node) -> int | None:
@@ -420,8 +455,8 @@ class _Analysis:
         if self.layer_boundary:
             if self.layer_of(entry) is None:
                 return "outside the detected layers"
-            if any(self.layers.is_layer_input(v) for v in outputs):
-                return "its output is a layer input (kept as the layer's checkpoint)"
+            if any(self.layers.is_checkpoint(v) for v in outputs):
+                return "its output is a layer's input or the last layer's output (kept as a checkpoint)"
         return None
 
     def kept_by_backward(self, value: ir.Value, outputs: list[ir.Value]) -> bool:

@@ -8,7 +8,8 @@ from that state instead of storing them.  Its randomness comes from torch's glob
 generator, which is what makes PythonOp recompute need the replayed RNG state.
 
 Importing this module registers the Function with the torch bridge (so ORT can run its
-PythonOp) and as recomputable (so the recompute analysis may grow subgraphs through it).
+PythonOp) and as a recomputable attention function (so the recompute analysis may grow
+subgraphs through it, and layer detection sees the attention in each layer).
 :func:`use_flash_attention` swaps it into ``ortpass.testing.models`` decoders.
 """
 
@@ -123,4 +124,4 @@ def use_flash_attention(model: nn.Module) -> nn.Module:
 
 
 bridge.register_function(FlashAttentionFunction)
-register_recomputable_function(qualified_name(FlashAttentionFunction))
+register_recomputable_function(qualified_name(FlashAttentionFunction), attention=True)
