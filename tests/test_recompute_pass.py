@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import ortpass
+from ortpass.analysis import find_layer_boundaries, get_partition
 from ortpass.analysis.partition import SIDE_KEY, TrainingInfo, set_training_info, tag
 from ortpass.errors import PassOrderingError, PlanError
 from ortpass.export import export
@@ -212,6 +213,28 @@ def test_recompute_changes_no_number_on_ort(decoder_graph, decoder_batch, level)
             np.testing.assert_array_equal(got.gradients[name], grad, err_msg=name)
 
 
+def test_level_1_keeps_only_layer_checkpoints_inside_layers(decoder_graph):
+    """Layer-wise checkpointing: after level 1, the forward values backward (originals and
+    clones) reads from inside a layer are each layer's input, the last layer's output and
+    Reshape shapes (a few int64s); everything else in a layer is recomputed.  Before the
+    fixes, Gelu's Erf chain, q/k/v (their Reshape shapes come from Concat), the final
+    residual and the last layer's tail stayed stashed."""
+    recomputed, _ = _rewrite(decoder_graph, 1, recompute=True)
+    partition = get_partition(recomputed)
+    layers = find_layer_boundaries(partition.forward)
+    assert len(layers) == 2
+    position = {node: i for i, node in enumerate(partition.forward)}
+    inside = [v for v in partition.stashed if layers.layer_of(position[v.producer()]) is not None]
+    checkpoints = [v for v in inside if layers.is_checkpoint(v)]
+    assert [v.name for v in checkpoints] == ["/blocks.0/Add_2_output_0", "/blocks.1/Add_2_output_0"]
+    others = [v for v in inside if v not in checkpoints]
+    assert others and all(v.dtype == ir.DataType.INT64 and len(v.shape) == 1 for v in others)
+    assert all(v.uses() and all(u.node.op_type == "Reshape" for u in v.uses() if u.node.name.endswith("_recompute"))
+               for v in others)
+    # The first layer's input is produced outside the layers (the embedding Add) and kept.
+    assert any(v.name == "/Add_output_0" and layers.is_checkpoint(v) for v in partition.stashed)
+
+
 def test_without_seeds_the_clone_draws_another_mask(decoder_graph, decoder_batch):
     # Negative control for the test above: strip the seeds after the rewrite and the
     # numbers change.
@@ -238,7 +261,7 @@ def _surviving_clones(recomputed: ir.Model, ort_names: set[str]) -> set[str]:
     """
 
     def present(name: str) -> bool:
-        return name in ort_names or any(other.startswith(name + "/") for other in ort_names)
+        return _present(name, ort_names)
 
     clones = [n for n in recomputed.graph if n.name.endswith("_recompute")]
     surviving = {c.name for c in clones if present(c.name)}
@@ -248,6 +271,11 @@ def _surviving_clones(recomputed: ir.Model, ort_names: set[str]) -> set[str]:
         if any(n.name.endswith("_recompute") and present(n.name) for n in neighbours):
             surviving.add(clone.name)
     return surviving
+
+
+def _present(name: str, ort_names: set[str]) -> bool:
+    """``name`` is in ORT's graph, itself or fused (ORT names a fused node ``<name>/<Fusion>/``)."""
+    return name in ort_names or any(other.startswith(name + "/") for other in ort_names)
 
 
 def _optimized_names(model: ir.Model, path, disabled: list[str]) -> set[str]:
@@ -272,20 +300,32 @@ def test_clones_survive_in_the_graph_ort_runs(decoder_graph, tmp_path):
 
 
 def test_common_subexpression_elimination_would_merge_clones(decoder_graph, tmp_path):
-    # Why sessions must disable it: with ORT's CSE on, clones are merged into their originals.
+    # Why sessions must disable it: with ORT's CSE on, a clone and its original become one
+    # node (which one survives depends on ORT's topological order), so forward and backward
+    # share a value again and nothing is recomputed.  Only CSE differs between the sessions.
     recomputed, _ = _rewrite(decoder_graph, 1, recompute=True)
-    clones = {n.name for n in recomputed.graph if n.name.endswith("_recompute")}
-    with_cse = _surviving_clones(recomputed, _optimized_names(recomputed, tmp_path / "cse.onnx", []))
-    without = _surviving_clones(
-        recomputed, _optimized_names(recomputed, tmp_path / "no_cse.onnx", list(DISABLED_ORT_OPTIMIZERS))
-    )
-    assert without == clones
-    assert len(with_cse) < len(clones)
+    clones = [n for n in recomputed.graph if n.name.endswith("_recompute")]
+    others = [name for name in DISABLED_ORT_OPTIMIZERS if name != "CommonSubexpressionElimination"]
+    cse_names = _optimized_names(recomputed, tmp_path / "cse.onnx", others)
+    no_cse_names = _optimized_names(recomputed, tmp_path / "no_cse.onnx", list(DISABLED_ORT_OPTIMIZERS))
+
+    def pairs(names: set[str]) -> set[str]:
+        """Clones that survive next to their original."""
+        surviving = _surviving_clones(recomputed, names)
+        return {
+            c.name for c in clones
+            if c.name in surviving and _present(c.metadata_props[RECOMPUTE_OF_KEY], names)
+        }
+
+    assert _surviving_clones(recomputed, no_cse_names) == {c.name for c in clones}
+    assert pairs(cse_names) < pairs(no_cse_names)  # (an original fused under another name drops out of both)
 
 
-def test_clones_run_after_forward_on_ort(decoder_graph, tmp_path):
-    """ORT's default order runs every clone of a layer but the last one after the loss:
-    the execution-order property the memory saving rests on (profiled)."""
+def test_clones_and_gradient_outputs_run_when_backward_needs_them_on_ort(decoder_graph, tmp_path):
+    """ORT's default order, profiled: no clone runs before the loss (forward keeps only the
+    checkpoints), and the last layer's bias gradients (leaves, moved to the end of the
+    graph in reverse) run before any clone of the first layer, not at the end of the step
+    where they would keep their inputs alive: the properties the memory saving rests on."""
     import onnxruntime as ort
 
     recomputed, _ = _rewrite(decoder_graph, 1, recompute=True)
@@ -302,11 +342,13 @@ def test_clones_run_after_forward_on_ort(decoder_graph, tmp_path):
     feeds = {"input_ids": np.zeros((2, 16), np.int64), "labels": np.zeros((2, 16), np.int64)}
     session.run(None, feeds)
     events = json.loads(open(session.end_profiling()).read())
-    order = [e["name"][: -len("_kernel_time")] for e in events if e.get("cat") == "Node"]
+    suffix = "_kernel_time"
+    order = [e["name"][: -len(suffix)] for e in events if e.get("cat") == "Node" and e["name"].endswith(suffix)]
     loss = order.index("/loss/SoftmaxCrossEntropyLoss")
-    early = [name for name in order[:loss] if "_recompute" in name]
-    assert all("/blocks.1/" in name or "/ln_f/" in name for name in early)  # the last layer only
-    assert any("/blocks.0/" in name and "_recompute" in name for name in order[loss:])
+    assert not [name for name in order[:loss] if "_recompute" in name]
+    first_layer0_clone = min(i for i, name in enumerate(order) if "/blocks.0/" in name and "_recompute" in name)
+    layer1_bias_grads = [i for i, name in enumerate(order) if name.startswith("/blocks.1/") and "Add_Grad/ReduceSum" in name]
+    assert layer1_bias_grads and max(layer1_bias_grads) < first_layer0_clone
 
 
 def test_recompute_pass_is_registered_post_grad():

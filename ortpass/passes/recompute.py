@@ -14,29 +14,40 @@ Which plans, as ORTModule's ``ORTMODULE_MEMORY_OPT_LEVEL``:
   subgraphs inside detected transformer layers, each layer's input kept);
 - level 2: level 1 plus the compromise (type-2) plans.
 
-Execution order.  ONNX Runtime picks its own order; what 1.19.2 honours was measured (ORT
-profiling, a 2-layer decoder with 33 single-node clones):
+Execution order.  ONNX Runtime picks its own order; what 1.19.2 does was measured (ORT
+profiling, decoders of 2 and 4 layers):
 
 - ``ExecutionOrder.DEFAULT`` (what every session uses unless told otherwise) is a
-  post-order depth-first walk from the graph outputs: a node runs when the walk first
-  needs it.  A clone, read only by backward nodes, runs right before its first backward
-  consumer (median 1 node before it, at most 13), which is what frees the memory;
+  post-order depth-first walk from the *leaves* (nodes no node reads: the producers of
+  the gradient outputs), taking leaves from the highest node index down and, at each
+  node, visiting its input with the lowest index first.  Node indices follow graph order,
+  except that nodes ORT's optimizers create get new, higher ones;
+- so the leaf walked first pulls in everything it depends on.  In a training graph as
+  built, the last leaf (an early layer's gradient, or a fused weight-gradient Gemm) pulls
+  in the whole backward, and the other leaves -- every bias gradient's ReduceSum -- run
+  at the very end of the step, keeping their inputs (an activation gradient per bias,
+  36 MiB per layer at hidden 256, batch 8 x 512) alive until then.  Recompute moves the
+  step's peak into backward, where this dominated;
 - ``PRIORITY_BASED`` is Kahn's algorithm on ``Node::Priority()`` then node index.  The
   priority ORT's own optimizer gives its clones exists only inside ORT (no ONNX field
-  carries it), and neither ``__backwardpass`` nor ``__critical_execution_order``
-  attributes change 1.19.2's order: clones then run during forward (median 99 nodes
-  before their consumer) and recompute saves nothing.  Do not use it with this pass.
+  carries it), and any node ORT creates in backward (a fused MatMul) waits behind every
+  ready node with a lower index: clones then run during forward and recompute saves
+  nothing.  Do not use it with this pass.  (``MEMORY_EFFICIENT``, ORTModule's, needs the
+  YieldOp graph; on a plain training graph it gives DEFAULT's order.)
 
-So the hint that works is the graph itself: clones are read only by backward, and they
-are placed in graph order right before their first backward consumer, which also makes
-any runtime that follows graph order (or Kahn's algorithm with the lowest index first)
-run them there.  ``benchmarks/recompute_memory.py`` measures the resulting peak memory
-(4-layer decoder, batch 8 x 512: step peak 890 MiB without recompute, 520 MiB at level 1).
+So the pass writes the order into the graph for DEFAULT's walk: backward leaves go to the
+end of the graph in reverse order (the first to become computable gets the highest index,
+so each leaf runs as soon as its inputs exist), and each clone is placed right before its
+first backward consumer.  This holds only while ORT creates no leaf of its own, so
+sessions disable GemmTransposeFusion (it replaces the weight-gradient Gemms).
+``benchmarks/recompute_memory.py`` measures the resulting peak memory.
 
 ORT's own optimizers can undo the rewrite: common subexpression elimination merges a clone
-back into its original, and SkipLayerNormFusion fuses an
-``Add`` whose only remaining consumer is a LayerNormalization and drops that LayerNorm's
-mean and inverse-std outputs that backward reads.  ``TrainingSession`` disables both
+and its original into one node, SkipLayerNormFusion fuses an ``Add`` whose only remaining
+consumer is a LayerNormalization and drops that LayerNorm's mean and inverse-std outputs
+that backward reads, GeluFusion fuses the forward's Erf-based Gelu (read by forward only
+once backward reads clones) into a kernel that rounds differently from the clones, and
+GemmTransposeFusion breaks the order above.  ``TrainingSession`` disables all four
 (:data:`ortpass.runtime.session.DISABLED_ORT_OPTIMIZERS`).
 
 Dropout: the clone of a Dropout must draw the forward's mask, which holds only when the
@@ -59,7 +70,7 @@ from typing import Iterable, Sequence
 
 import onnx_ir as ir
 
-from ortpass.analysis.partition import get_partition, tag
+from ortpass.analysis.partition import SIDE_KEY, get_partition, tag
 from ortpass.analysis.plans import PlanSpec, PlanType, load_plan_file, parse_plans
 from ortpass.analysis.recomputable_ops import MS_DOMAIN, ProbeLevel
 from ortpass.analysis.recompute import Occurrence, RecomputeReport, find_recompute_candidates
@@ -184,9 +195,10 @@ class RecomputePass(OrtPass):
     outputs ``<output>_recompute``.  A clone reads the clone of an input's producer where
     that producer is cloned too, else the forward value itself.  Then every *backward*
     consumer of a cloned node's output reads the clone's output instead; forward consumers
-    and graph outputs keep the original.  Clones are tagged ``backward`` and placed in
-    graph order right before their first backward consumer (the execution-order hint, see
-    the module docstring).  Subgraphs of several occurrences that share nodes share clones.
+    and graph outputs keep the original.  Clones are tagged ``backward``.  Execution-order
+    hint (see the module docstring): backward nodes no node reads move to the end of the
+    graph in reverse order, and each clone is placed right before its first backward
+    consumer.  Subgraphs of several occurrences that share nodes share clones.
 
     Refuses (model unchanged) to clone a Dropout without a ``seed`` attribute: run
     ``FixDropoutSeedPass`` with the same options first (the pass manager does, from the
@@ -232,6 +244,7 @@ class RecomputePass(OrtPass):
             return ir.passes.PassResult(model, modified=False)
 
         clones = _Cloner(model).clone(nodes)
+        _order_gradient_leaves(model.graph)
         _place_clones(model.graph, clones)
         self._record(specs, occurrences, report, len(clones))
         return ir.passes.PassResult(model, modified=True)
@@ -369,3 +382,19 @@ def _place_clones(graph: ir.Graph, clones: list[ir.Node]) -> None:
         anchor[clone] = min(candidates, key=position.__getitem__)
     for clone in clones:
         graph.insert_before(anchor[clone], clone)
+
+
+def _order_gradient_leaves(graph: ir.Graph) -> None:
+    """Move the backward nodes no node reads (they produce gradient outputs) to the end of
+    the graph, in reverse order, so that ORT's default order runs each one as soon as its
+    inputs exist (see the module docstring: ORT takes leaves from the last one in graph
+    order).  A leaf has no consumer, so the graph stays topologically sorted.
+    """
+    leaves = [node for node in graph if node.metadata_props.get(SIDE_KEY) == "backward" and not _has_consumer(node)]
+    for leaf in reversed(leaves):
+        graph.remove(leaf)
+        graph.append(leaf)
+
+
+def _has_consumer(node: ir.Node) -> bool:
+    return any(out.uses() for out in node.outputs)
