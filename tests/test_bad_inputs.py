@@ -623,10 +623,7 @@ SKIPS = [
     Skip("gather-logits-rank-unknown", logits_of_unknown_shape,
          lambda: ortpass.get_pass("insert-gather-before-sce-loss")(force=True), r"rank unknown"),
     Skip("gather-float-labels", lambda: ir.from_proto(float_labels()),
-         lambda: ortpass.get_pass("insert-gather-before-sce-loss")(force=True), r"FLOAT|label.*type",
-         known_bug="InsertGatherBeforeSceLossPass(force=True) rewrites a loss whose labels are FLOAT: it inserts "
-         "Sub(labels, ignore_index) and gathers on labels SoftmaxCrossEntropyLoss cannot take, and reports "
-         "'losses rewritten' instead of skipping with the label type as the reason"),
+         lambda: ortpass.get_pass("insert-gather-before-sce-loss")(force=True), r"labels are FLOAT, not INT32/INT64"),
     Skip("gather-without-flag", _forward, lambda: ortpass.get_pass("insert-gather-before-sce-loss")(), r"flag"),
     Skip("recompute-shapes-missing", without_shapes,
          lambda: ortpass.get_pass("recompute")("Gelu+:1:-1", min_elements=0), r"Gelu\+:1:-1 matches no candidate"),

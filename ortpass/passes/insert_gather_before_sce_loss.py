@@ -68,6 +68,9 @@ PRINT_DENSITY_ENV = "ORTPASS_PRINT_INPUT_DENSITY"
 #: Name prefix of the symbolic dim that counts the valid labels of one loss.
 VALID_DIM_PREFIX = "valid_label_count_"
 
+# SoftmaxCrossEntropyLoss takes class indices of these types (both ai.onnx and the contrib op).
+_LABEL_TYPES = frozenset({ir.DataType.INT32, ir.DataType.INT64})
+
 # ai.onnx Squeeze takes its axes as an input from opset 13 on, as an attribute before.
 _SQUEEZE_AXES_AS_INPUT_OPSET = 13
 # SoftmaxCrossEntropyLoss first exists in ai.onnx opset 12.
@@ -219,6 +222,9 @@ class InsertGatherBeforeSceLossPass(OrtPass):
         label_dtype = types.dtype(label) or (types.dtype(flag.inputs[0]) if flag is not None else None)
         if logits_dtype is None or label_dtype is None:
             return None, f"element type unknown (logits {logits_dtype}, labels {label_dtype})"
+        if label_dtype not in _LABEL_TYPES:
+            # The loss itself would be invalid; rewriting it would only move the failure.
+            return None, f"labels are {label_dtype.name}, not INT32/INT64 class indices"
         return _Candidate(loss, ignore_index, flag, logits_dtype, logits_shape, label_dtype, label_shape), ""
 
     # -- rewrite --------------------------------------------------------------------------
