@@ -1,0 +1,310 @@
+"""How ortpass's passes scale with graph size, side by side with ORT 1.19.2's C++ memory optimizer.
+
+Graphs: the GPT-like decoder of ``ortpass.testing.models`` (hidden 64, 4 heads, vocab 128,
+batch 2, seq 128, dropout 0.1) at several layer counts, exported and built into a training
+graph.  Two flavours:
+
+- ``static``: every dim concrete.  Layers 2, 8, 24, 48 and, to reach ~50k training-graph
+  nodes (~130 per layer), 192 and 384;
+- ``dynamic``: batch and seq symbolic (``dynamic_axes``), as ORTModule exported; the
+  training graph has ~35% more nodes (shape arithmetic) and the recompute analysis
+  evaluates symbolic sizes.
+
+For each graph, in a fresh subprocess with a time limit (a configuration that runs past it
+is recorded as timed out):
+
+- the whole pipeline from the forward model, through ``ortpass.PassManager`` with the
+  onnx checker after every pass: ``pythonop-shape-inference``,
+  ``insert-gather-before-sce-loss``, ``build-training-graph``,
+  ``fix-dropout-seed(level=1)``, ``recompute(level=1)``, both with ``min_elements=0``
+  (the default floor of 1Mi elements, ORT's, leaves nothing to recompute in graphs this
+  narrow; ORT's own analysis reports plans for them, so both sides apply plans).  Per pass: the pass's own seconds
+  and the manager's check seconds (serialize + onnx checker), separately; the manager's
+  overhead (copying the model for rollback, the before/after node diff) is the wall time
+  minus both;
+- ORT's own optimizer on the graph ORTModule would run (``OrtModuleGraphBuilder``'s
+  gradient graph of the same forward nodes): session creation without and with the
+  memory optimizer at level 1 (``optimization.memory_optimizer_config`` = a JSON file
+  holding ORT's layer-wise type-1 plans, ``optimization.enable_memory_probe_recompute_config``
+  = ``"1:1"``), and ORT's analysis call alone
+  (``TrainingAgent.get_serialized_ortmodule_memory_stat``).
+
+Then per pass, over the static graphs: ms per 1k nodes and the exponent of a log-log fit
+of seconds against node count (1 = linear).  Results go to ``scaling.json`` and
+``scaling.md`` next to this script.
+
+Run: ``python3 benchmarks/scaling.py`` (about 15 minutes on 2 cores); ``--quick`` runs
+2 and 8 layers only; ``--limit S`` sets the per-configuration time limit (default 600 s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = pathlib.Path(__file__).resolve().parent
+
+PIPELINE = (
+    "pythonop-shape-inference,insert-gather-before-sce-loss,build-training-graph,"
+    "fix-dropout-seed(level=1,min_elements=0),recompute(level=1,min_elements=0)"
+)
+STATIC_LAYERS = (2, 8, 24, 48, 192, 384)
+DYNAMIC_LAYERS = (2, 8, 24, 48)
+BATCH, SEQ = 2, 128
+REPEATS = 3
+
+
+# -- one configuration (runs in a child process) ------------------------------------------
+
+
+def export_forward(layers: int, dynamic: bool):
+    import torch
+
+    from ortpass.export import export
+    from ortpass.testing.models import GPTDecoder
+
+    torch.manual_seed(0)
+    module = GPTDecoder(vocab=128, hidden=64, heads=4, layers=layers, max_seq=SEQ, dropout=0.1)
+    ids = torch.randint(0, 128, (BATCH, SEQ))
+    axes = {"input_ids": {0: "batch", 1: "seq"}, "labels": {0: "batch", 1: "seq"}} if dynamic else None
+    return export(module, (ids, ids), input_names=["input_ids", "labels"], dynamic_axes=axes)
+
+
+def time_pipeline(forward) -> dict:
+    import ortpass
+
+    manager = ortpass.pipeline(PIPELINE)
+    start = time.perf_counter()
+    result = manager(forward)
+    wall = time.perf_counter() - start
+    passes = [
+        {
+            "pass": r.name,
+            "seconds": r.seconds,
+            "check_seconds": r.check_seconds,
+            "nodes_before": r.nodes_before,
+            "nodes_after": r.nodes_after,
+            "modified": r.modified,
+        }
+        for r in result.report.records
+    ]
+    accounted = sum(p["seconds"] + p["check_seconds"] for p in passes)
+    return {"wall_seconds": wall, "manager_overhead_seconds": wall - accounted, "passes": passes}, result.model
+
+
+def time_ort_optimizer(training) -> dict:
+    """Session creation without/with ORT's memory optimizer (level 1), and its analysis."""
+    import onnxruntime as ort
+    import onnxruntime.capi._pybind_state as C
+
+    sys.path.insert(0, str(HERE))
+    from recompute_vs_ort_analysis import forward_model_for_ort
+
+    from ortpass.analysis import get_training_info
+
+    params = list(get_training_info(training).params)
+    config = C.OrtModuleGraphBuilderConfiguration()
+    config.initializer_names = params
+    config.initializer_names_to_train = params
+    config.input_names_require_grad = []
+    config.build_gradient_graph = True
+    builder = C.OrtModuleGraphBuilder()
+    builder.initialize(forward_model_for_ort(training).SerializeToString(), config)
+    builder.build(C.TrainingGraphTransformerConfiguration())
+    gradient_model = builder.get_gradient_model()
+    info = builder.get_graph_info()
+
+    def create(entries: dict[str, str]):
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        for key, value in entries.items():
+            options.add_session_config_entry(key, value)
+        start = time.perf_counter()
+        session = ort.InferenceSession(gradient_model, options, providers=["CPUExecutionProvider"])
+        return session, time.perf_counter() - start
+
+    create({})  # warm ORT's one-time initialization so that both timings below are alike
+    # Session creation varies by a few ms from run to run: keep the fastest of REPEATS.
+    session, plain = min((create({}) for _ in range(REPEATS)), key=lambda pair: pair[1])
+    device = C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0)
+    feeds = list(info.user_input_names) + list(info.initializer_names_to_train)
+    fetches = [f"{p}_grad" for p in info.initializer_names_to_train]
+    agent = C.TrainingAgent(session._sess, feeds, [device] * len(feeds), fetches, [device] * len(fetches), 0)
+    with tempfile.TemporaryDirectory() as tmp:
+        empty = os.path.join(tmp, "none.json")
+        pathlib.Path(empty).write_text("[]")
+        start = time.perf_counter()
+        _, stats = agent.get_serialized_ortmodule_memory_stat(empty, "1:1", False)
+        analysis = time.perf_counter() - start
+        plans = sorted(plan for plan in stats if plan.split(":")[1] == "1")
+        plan_file = os.path.join(tmp, "plans.json")
+        pathlib.Path(plan_file).write_text(json.dumps(plans))
+        entries = {
+            "optimization.memory_optimizer_config": plan_file,
+            "optimization.enable_memory_probe_recompute_config": "1:1",
+        }
+        optimized = min(create(entries)[1] for _ in range(REPEATS))
+    return {
+        "ort_graph_nodes": _count_nodes(gradient_model),
+        "session_seconds_without": plain,
+        "session_seconds_with": optimized,
+        "optimizer_seconds": optimized - plain,
+        "analysis_seconds": analysis,
+        "plans": plans,
+    }
+
+
+def _count_nodes(model_bytes: bytes) -> int:
+    import onnx
+
+    return len(onnx.load_from_string(model_bytes).graph.node)
+
+
+def run_one(layers: int, dynamic: bool) -> dict:
+    start = time.perf_counter()
+    forward = export_forward(layers, dynamic)
+    export_seconds = time.perf_counter() - start
+    pipeline, training = time_pipeline(forward)
+    result = {
+        "layers": layers,
+        "mode": "dynamic" if dynamic else "static",
+        "forward_nodes": len(forward.graph),
+        "training_nodes": next(p["nodes_after"] for p in pipeline["passes"] if p["pass"] == "build-training-graph"),
+        "export_seconds": export_seconds,
+        "pipeline": pipeline,
+    }
+    result["ort"] = time_ort_optimizer(training)
+    return result
+
+
+# -- the driver -----------------------------------------------------------------------------
+
+
+def run_child(layers: int, dynamic: bool, limit: float) -> dict:
+    argv = [sys.executable, __file__, "--one", str(layers), "--mode", "dynamic" if dynamic else "static"]
+    base = {"layers": layers, "mode": "dynamic" if dynamic else "static"}
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=limit)
+    except subprocess.TimeoutExpired:
+        return {**base, "timed_out": True, "limit_seconds": limit}
+    if done.returncode != 0:
+        return {**base, "error": done.stderr[-2000:]}
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result["child_seconds"] = time.perf_counter() - start
+    return result
+
+
+def post_grad_seconds(result: dict) -> float:
+    """The post-grad part of the pipeline: passes after the gradient build, with checks."""
+    passes = result["pipeline"]["passes"]
+    after = [p for p in passes[[p["pass"] for p in passes].index("build-training-graph") + 1 :]]
+    return sum(p["seconds"] + p["check_seconds"] for p in after)
+
+
+def fit_exponent(points: list[tuple[float, float]]) -> float | None:
+    """Slope of log(seconds) against log(nodes), least squares."""
+    points = [(math.log(n), math.log(s)) for n, s in points if n > 0 and s > 0]
+    if len(points) < 2:
+        return None
+    mx = sum(x for x, _ in points) / len(points)
+    my = sum(y for _, y in points) / len(points)
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    return sum((x - mx) * (y - my) for x, y in points) / sxx if sxx else None
+
+
+def summarize(results: list[dict]) -> dict:
+    """Per mode and per timed quantity: ms per 1k training nodes at each size, and the exponent."""
+    summary: dict = {}
+    for mode in ("static", "dynamic"):
+        done = [r for r in results if r["mode"] == mode and "pipeline" in r]
+        series: dict[str, list[tuple[float, float]]] = {}
+        for r in done:
+            n = r["training_nodes"]
+            for p in r["pipeline"]["passes"]:
+                series.setdefault(f"{p['pass']} (pass)", []).append((n, p["seconds"]))
+                series.setdefault(f"{p['pass']} (check)", []).append((n, p["check_seconds"]))
+            series.setdefault("manager overhead", []).append((n, r["pipeline"]["manager_overhead_seconds"]))
+            series.setdefault("post-grad passes + checks", []).append((n, post_grad_seconds(r)))
+            series.setdefault("whole pipeline (wall)", []).append((n, r["pipeline"]["wall_seconds"]))
+            series.setdefault("ORT memory optimizer (session with - without)", []).append((n, max(r["ort"]["optimizer_seconds"], 1e-6)))
+            series.setdefault("ORT analysis call", []).append((n, r["ort"]["analysis_seconds"]))
+        summary[mode] = {
+            name: {
+                "ms_per_1k_nodes": {str(int(n)): 1e6 * s / n for n, s in pts},
+                "exponent": fit_exponent(pts),
+            }
+            for name, pts in series.items()
+        }
+    return summary
+
+
+def to_markdown(results: list[dict], summary: dict) -> str:
+    lines = ["# Scaling: ortpass pipeline vs ORT 1.19.2's C++ memory optimizer", "",
+             f"GPT-like decoder, hidden 64, 4 heads, batch {BATCH}, seq {SEQ}; pipeline `{PIPELINE}`; "
+             "2 cores. Times in ms.", ""]
+    lines += ["| mode | layers | training nodes | ORT graph nodes | fix-dropout-seed | recompute | post-grad checks | "
+              "post-grad total | whole pipeline (wall) | ORT optimizer (session +) | ORT analysis |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        if "pipeline" not in r:
+            why = f"timed out after {r['limit_seconds']:.0f} s" if r.get("timed_out") else "failed"
+            lines.append(f"| {r['mode']} | {r['layers']} | {why} | | | | | | | | |")
+            continue
+        by = {p["pass"]: p for p in r["pipeline"]["passes"]}
+        checks = sum(by[n]["check_seconds"] for n in ("fix-dropout-seed", "recompute"))
+        lines.append(
+            f"| {r['mode']} | {r['layers']} | {r['training_nodes']} | {r['ort']['ort_graph_nodes']} | "
+            f"{1e3 * by['fix-dropout-seed']['seconds']:.0f} | {1e3 * by['recompute']['seconds']:.0f} | "
+            f"{1e3 * checks:.0f} | {1e3 * post_grad_seconds(r):.0f} | {1e3 * r['pipeline']['wall_seconds']:.0f} | "
+            f"{1e3 * r['ort']['optimizer_seconds']:.0f} | {1e3 * r['ort']['analysis_seconds']:.1f} |"
+        )
+    for mode, series in summary.items():
+        if not series:
+            continue
+        lines += ["", f"## {mode}: ms per 1k training nodes, and the log-log exponent", ""]
+        sizes = sorted({k for s in series.values() for k in s["ms_per_1k_nodes"]}, key=int)
+        lines += ["| quantity | " + " | ".join(f"{n} nodes" for n in sizes) + " | exponent |",
+                  "|---|" + "---|" * (len(sizes) + 1)]
+        for name, s in series.items():
+            cells = [f"{s['ms_per_1k_nodes'][n]:.2f}" if n in s["ms_per_1k_nodes"] else "" for n in sizes]
+            exponent = f"{s['exponent']:.2f}" if s["exponent"] is not None else "-"
+            lines.append(f"| {name} | " + " | ".join(cells) + f" | {exponent} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--one", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--mode", default="static", choices=("static", "dynamic"), help=argparse.SUPPRESS)
+    parser.add_argument("--quick", action="store_true", help="2 and 8 layers only")
+    parser.add_argument("--limit", type=float, default=600.0, help="seconds per configuration")
+    args = parser.parse_args()
+    if args.one is not None:
+        print(json.dumps(run_one(args.one, args.mode == "dynamic")))
+        return
+    static = (2, 8) if args.quick else STATIC_LAYERS
+    dynamic = (2, 8) if args.quick else DYNAMIC_LAYERS
+    results = []
+    for mode, layer_counts in (("static", static), ("dynamic", dynamic)):
+        for layers in layer_counts:
+            result = run_child(layers, mode == "dynamic", args.limit)
+            results.append(result)
+            print(json.dumps({k: v for k, v in result.items() if k not in ("pipeline", "ort")}), flush=True)
+    summary = summarize(results)
+    markdown = to_markdown(results, summary)
+    print(markdown)
+    suffix = "_quick" if args.quick else ""
+    (HERE / f"scaling{suffix}.json").write_text(json.dumps({"results": results, "summary": summary}, indent=1))
+    (HERE / f"scaling{suffix}.md").write_text(markdown)
+
+
+if __name__ == "__main__":
+    main()
