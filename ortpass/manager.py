@@ -40,7 +40,7 @@ from typing import Any, Callable, Iterable, Iterator, NoReturn, Sequence
 import onnx
 import onnx_ir as ir
 
-from ortpass.errors import ModelLoadError, PassFailedError, PassOrderingError, PipelineSpecError
+from ortpass.errors import ModelLoadError, OrtpassError, PassFailedError, PassOrderingError, PipelineSpecError
 from ortpass.passes.base import CREATED_BY_KEY, PassDeclarations
 from ortpass.registry import get_pass
 
@@ -786,9 +786,10 @@ def _construct(spec: PassSpec) -> ir.passes.PassBase:
     _check_options(cls, spec)
     try:
         return cls(**spec.options)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OrtpassError) as exc:  # e.g. a PlanError from recompute(plans=...)
         raise PipelineSpecError(
-            f"pass {spec.name!r} (position {spec.position}) rejected its options {spec.options}: {exc}"
+            f"pass {spec.name!r} (position {spec.position}) rejected its options {spec.options}: "
+            f"{type(exc).__name__}: {exc}"
         ) from exc
 
 

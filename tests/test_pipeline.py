@@ -128,3 +128,10 @@ def test_malformed_text_is_refused_with_its_position(text, message):
 def test_the_manager_built_from_text_orders_passes_too():
     with pytest.raises(PassOrderingError, match="cycle"):
         pipeline("first,last")
+
+
+def test_a_pass_refusing_its_options_with_an_ortpass_error_is_named():
+    # RecomputePass raises PlanError for a bad plan string; from a pipeline the error
+    # must also say which pass, at which position, got it.
+    with pytest.raises(PipelineSpecError, match=r"pass 'recompute' \(position \d+\) rejected its options .*PlanError"):
+        pipeline("fix-dropout-seed,recompute(plans='Gelu+:9:-1')")
