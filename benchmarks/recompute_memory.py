@@ -21,11 +21,21 @@ How memory is measured (shared/reference/stack-facts.md):
 - the step of every configuration allocates its gradients (ORT returns them as outputs;
   torch's ``.grad`` are set to None before each step).
 
-ORT configurations share session options: no CPU arena, ``CommonSubexpressionElimination``
-and ``SkipLayerNormFusion`` disabled (both undo or break recomputed graphs), default
-execution order.  ORT's C++ optimizer runs at level 1 as ORTModule drove it: probe config
-``1:1`` (layer-wise), every type-1 plan ORT's own analysis reports on the same graph
-(``TrainingAgent.get_serialized_ortmodule_memory_stat``) in a JSON plan file.
+ORT configurations share ORTModule's session options for training: no CPU arena, no
+memory pattern, no memory reuse (reuse keeps a freed buffer held until the next value of
+its size takes it; measured +100 MiB of step peak at level 1), no weight prepacking.  The
+ortpass graphs run in a plain session with ORT's default execution order and
+:data:`ortpass.runtime.session.DISABLED_ORT_OPTIMIZERS` (CSE, SkipLayerNormFusion,
+GeluFusion, GemmTransposeFusion: they undo recompute, drop outputs backward reads, change
+the forward's rounding, or break the execution order RecomputePass writes).
+
+ORT's C++ optimizer runs as ORTModule drives it: the forward part of the same training
+graph goes through ORT's own gradient builder (``OrtModuleGraphBuilder``: ORT's
+pre-training fusions, then a YieldOp between forward and backward); ORT's analysis of that
+graph (``TrainingAgent.get_serialized_ortmodule_memory_stat``, probe ``1:1``) gives the
+level-1 plans (every type-1 plan), written to a JSON plan file named in the session config;
+the session uses ``ExecutionOrder.MEMORY_EFFICIENT`` and all of ORT's optimizers; a step is
+``TrainingAgent.run_forward`` then ``run_backward`` with a loss gradient of 1.
 
 Usage: ``python benchmarks/recompute_memory.py [--layers 4 8] [--steps 3]``.  Writes
 ``recompute_memory.json`` and ``recompute_memory.md`` next to this script.
@@ -45,7 +55,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 VOCAB, HIDDEN, HEADS, SEQ, BATCH, DROPOUT = 2048, 256, 4, 512, 8, 0.1
-ORT_DISABLED_OPTIMIZERS = ["CommonSubexpressionElimination", "SkipLayerNormFusion"]
+ORT_DISABLED_OPTIMIZERS = ["CommonSubexpressionElimination", "SkipLayerNormFusion", "GeluFusion", "GemmTransposeFusion"]
 MIB = 1024 * 1024
 
 CONFIGS = [
@@ -126,9 +136,14 @@ def child_prepare(work: Path, layers: int) -> dict:
     np.save(work / "labels.npy", labels)
     torch.save(model.state_dict(), work / "weights.pt")
 
+    from ortpass.runtime.session import DISABLED_ORT_OPTIMIZERS
+
+    if list(DISABLED_ORT_OPTIMIZERS) != ORT_DISABLED_OPTIMIZERS:
+        raise RuntimeError(f"ORT_DISABLED_OPTIMIZERS is stale: TrainingSession disables {DISABLED_ORT_OPTIMIZERS}")
     forward = export(model, (torch.from_numpy(ids), torch.from_numpy(labels)), input_names=["input_ids", "labels"])
     training = build_training_graph(forward)
     ir.save(training, work / "ort.onnx")
+    _save_ort_module_graph(training, work)
     info = {"nodes": {"ort": len(training.graph)}, "applied": {}}
     for level in (1, 2):
         manager = ortpass.PassManager(
@@ -140,6 +155,39 @@ def child_prepare(work: Path, layers: int) -> dict:
         info["nodes"][f"ort_l{level}"] = len(result.model.graph)
         info["applied"][f"ort_l{level}"] = [a.to_dict() for a in recompute.applied]
     return info
+
+
+def _save_ort_module_graph(training, work: Path) -> None:
+    """ORT's own gradient graph of ``training``'s forward part, as ORTModule builds it
+    (YieldOp between forward and backward), with the parameter values and the feed names."""
+    import numpy as np
+    import onnx.numpy_helper
+    import onnxruntime.capi._pybind_state as C
+
+    from ortpass.analysis import get_training_info
+
+    sys.path.insert(0, str(HERE))
+    from recompute_vs_ort_analysis import forward_model_for_ort
+
+    forward = forward_model_for_ort(training)
+    params = list(get_training_info(training).params)
+    config = C.OrtModuleGraphBuilderConfiguration()
+    config.initializer_names = params
+    config.initializer_names_to_train = params
+    config.input_names_require_grad = []
+    config.build_gradient_graph = True
+    builder = C.OrtModuleGraphBuilder()
+    builder.initialize(forward.SerializeToString(), config)
+    builder.build(C.TrainingGraphTransformerConfiguration())
+    info = builder.get_graph_info()
+    (work / "ort_cpp.onnx").write_bytes(builder.get_gradient_model())
+    trained = set(info.initializer_names_to_train)
+    np.savez(
+        work / "ort_cpp_params.npz",
+        **{i.name: onnx.numpy_helper.to_array(i) for i in forward.graph.initializer if i.name in trained},
+    )
+    feeds = {"user_inputs": list(info.user_input_names), "params": list(info.initializer_names_to_train)}
+    (work / "ort_cpp_feeds.json").write_text(json.dumps(feeds))
 
 
 def _load_ort():
@@ -158,18 +206,44 @@ def _load_ort():
     return C, InferenceSession
 
 
-def child_ort_plans(work: Path) -> dict:
-    """ORT's own recompute analysis of the plain training graph (probe 1:1, level 1)."""
-    C, InferenceSession = _load_ort()
+def _ort_training_options(C):
+    """ORTModule's session options for training (see the module docstring)."""
     options = C.SessionOptions()
     options.log_severity_level = 3
-    session = InferenceSession(
-        str(work / "ort.onnx"), options, providers=["CPUExecutionProvider"], disabled_optimizers=ORT_DISABLED_OPTIMIZERS
-    )
-    agent = C.TrainingAgent(session._sess, [], [], [], [], 0)
+    # Without this, freed tensors go back to ORT's arena, not to the OS, and the RSS after
+    # the warm-up step already holds the step's peak.
+    options.enable_cpu_mem_arena = False
+    options.enable_mem_pattern = False
+    options.enable_mem_reuse = False
+    options.add_session_config_entry("session.disable_prepacking", "1")
+    return options
+
+
+def _ort_module_agent(C, InferenceSession, work: Path, options):
+    """A session over ORT's YieldOp graph and the TrainingAgent that runs it."""
+    feeds = json.loads((work / "ort_cpp_feeds.json").read_text())
+    device = C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0)
+    names = feeds["user_inputs"] + feeds["params"]
+    fetches = [f"{p}_grad" for p in feeds["params"]]
+    session = InferenceSession(str(work / "ort_cpp.onnx"), options, providers=["CPUExecutionProvider"])
+    agent = C.TrainingAgent(session._sess, names, [device] * len(names), fetches, [device] * len(fetches), 0)
+    return session, agent, feeds, device
+
+
+def child_ort_plans(work: Path) -> dict:
+    """ORT's own level-1 plans for its YieldOp graph: every type-1 plan of its analysis at
+    probe ``1:1``, as ORTModule collects them, written to the plan file the session reads."""
+    C, InferenceSession = _load_ort()
+    session, agent, _, _ = _ort_module_agent(C, InferenceSession, work, _ort_training_options(C))
     _, stats = agent.get_serialized_ortmodule_memory_stat("", "1:1", False)
-    plans = sorted(f"{cluster}:1:-1" for cluster in stats)
+    plans = []
+    for cluster in stats:  # a cluster may list several plans, comma-joined
+        type_1 = [plan for plan in cluster.split(",") if plan.split(":")[1] == "1"]
+        if type_1:
+            plans.append(",".join(type_1))
+    plans.sort()
     (work / "ort_cpp_plans.json").write_text(json.dumps(plans))
+    del agent, session
     return {"plans": plans, "torch_imported": "torch" in sys.modules}
 
 
@@ -177,19 +251,11 @@ def child_ort(work: Path, key: str, steps: int) -> dict:
     import numpy as np
 
     C, InferenceSession = _load_ort()
-    options = C.SessionOptions()
-    options.log_severity_level = 3
-    # Without this, freed tensors go back to ORT's arena, not to the OS, and the RSS after
-    # the warm-up step already holds the step's peak.
-    options.enable_cpu_mem_arena = False
+    options = _ort_training_options(C)
     optimized = work / f"{key}.optimized.onnx"
     options.optimized_model_filepath = str(optimized)
-    model = work / ("ort.onnx" if key == "ort_cpp_l1" else f"{key}.onnx")
-    if key == "ort_cpp_l1":
-        options.add_session_config_entry("optimization.memory_optimizer_config", str(work / "ort_cpp_plans.json"))
-        options.add_session_config_entry("optimization.enable_memory_probe_recompute_config", "1:1")
     session = InferenceSession(
-        str(model), options, providers=["CPUExecutionProvider"], disabled_optimizers=ORT_DISABLED_OPTIMIZERS
+        str(work / f"{key}.onnx"), options, providers=["CPUExecutionProvider"], disabled_optimizers=ORT_DISABLED_OPTIMIZERS
     )
     feeds = {"input_ids": np.load(work / "input_ids.npy"), "labels": np.load(work / "labels.npy")}
     fetch = [o.name for o in session.get_outputs()]
@@ -199,9 +265,48 @@ def child_ort(work: Path, key: str, steps: int) -> dict:
         losses.append(float(session.run(fetch, feeds)[0]))  # gradients die right here
 
     result = _measure(step, steps)
+    del session
+    return _finish_ort(result, losses, optimized)
+
+
+def child_ort_cpp(work: Path, steps: int) -> dict:
+    """ORT's C++ memory optimizer at level 1, run as ORTModule runs it."""
+    import numpy as np
+
+    C, InferenceSession = _load_ort()
+    options = _ort_training_options(C)
+    options.execution_order = C.ExecutionOrder.MEMORY_EFFICIENT
+    options.add_session_config_entry("optimization.memory_optimizer_config", str(work / "ort_cpp_plans.json"))
+    options.add_session_config_entry("optimization.enable_memory_probe_recompute_config", "1:1")
+    optimized = work / "ort_cpp_l1.optimized.onnx"
+    options.optimized_model_filepath = str(optimized)
+    session, agent, feeds, device = _ort_module_agent(C, InferenceSession, work, options)
+    params = np.load(work / "ort_cpp_params.npz")
+    batch = {"input_ids": np.load(work / "input_ids.npy"), "labels": np.load(work / "labels.npy")}
+    # ortvalue_from_numpy does not copy: these arrays must outlive the steps.
+    arrays = [batch[n] for n in feeds["user_inputs"]] + [params[n] for n in feeds["params"]]
+    loss_grad = np.ones((), np.float32)
+    losses = []
+
+    def step():
+        inputs = C.OrtValueVector()
+        for array in arrays:
+            inputs.push_back(C.OrtValue.ortvalue_from_numpy(array, device))
+        outputs, state = C.OrtValueVector(), C.PartialGraphExecutionState()
+        agent.run_forward(inputs, outputs, state, None)
+        losses.append(float(outputs[0].numpy()))
+        grad_inputs, gradients = C.OrtValueVector(), C.OrtValueVector()
+        grad_inputs.push_back(C.OrtValue.ortvalue_from_numpy(loss_grad, device))
+        agent.run_backward(grad_inputs, gradients, state)  # gradients die right here
+
+    result = _measure(step, steps)
+    del agent, session
+    return _finish_ort(result, losses, optimized)
+
+
+def _finish_ort(result: dict, losses: list[float], optimized: Path) -> dict:
     result["torch_imported"] = "torch" in sys.modules
     result["loss"] = losses[0]
-    del session
     import onnx  # only now: the measurement is done
 
     graph = onnx.load(str(optimized), load_external_data=False).graph
@@ -270,18 +375,14 @@ def run(layers_list: list[int], steps: int) -> dict:
             entry["configs"] = {}
             for key, label, kind in CONFIGS:
                 print(f"[{layers} layers] {label}", flush=True)
-                if key == "ort_cpp_l1" and not entry["ort_cpp_plans"]["plans"]:
-                    # ORT's analysis splits forward from backward at ORTModule's YieldOp; a
-                    # plain forward+backward graph has none, so it finds nothing to do.
-                    entry["configs"][key] = {"label": label, "skipped": "ORT's analysis reported no plan on this graph"}
-                    print("    skipped: ORT's analysis reported no plan", flush=True)
-                    continue
-                if kind == "ort":
+                if key == "ort_cpp_l1":
+                    measured = _run_child("ort-cpp", str(work), str(steps))
+                elif kind == "ort":
                     measured = _run_child("ort", str(work), key, str(steps))
-                    if measured["torch_imported"]:
-                        raise RuntimeError(f"{key}: torch was imported in the ORT child; the memory would be wrong")
                 else:
                     measured = _run_child("torch", str(work), key, str(layers), str(steps))
+                if kind == "ort" and measured["torch_imported"]:
+                    raise RuntimeError(f"{key}: torch was imported in the ORT child; the memory would be wrong")
                 entry["configs"][key] = {"label": label, **measured}
                 print(f"    step peak {measured['step_peak_mib']:.0f} MiB, step {measured['step_seconds']:.2f} s", flush=True)
             results["layers"][str(layers)] = entry
@@ -312,9 +413,6 @@ def markdown(results: dict) -> str:
             "|---|---:|---:|---:|---:|---:|",
         ]
         for key, cfg in configs.items():
-            if "skipped" in cfg:
-                lines.append(f"| {cfg['label']} | n/a | n/a | n/a | n/a | {cfg['skipped']} |")
-                continue
             base = configs["torch" if key.startswith("torch") else "ort"]["step_seconds"]
             extra = cfg["step_seconds"] / base - 1
             clones = cfg.get("ort_recompute_nodes", "")
@@ -323,24 +421,33 @@ def markdown(results: dict) -> str:
                 f"{cfg['rss_after_setup_mib']:.0f} | {clones} |"
             )
         plans = entry["ort_cpp_plans"]["plans"]
-        if plans:
-            lines += ["", f"ORT C++ level-1 plans ({len(plans)}): `{','.join(plans)}`", ""]
-        else:
-            lines += [
-                "",
-                "ORT C++ level 1: not measured. ORT 1.19.2's memory optimizer splits forward from backward at "
-                "ORTModule's YieldOp; on this plain forward+backward graph its analysis reports no plan and "
-                "the optimizer changes nothing (checked: `optimization.memory_optimizer_config` with explicit "
-                "plans leaves 0 `_recompute` nodes). Measuring it needs ORTModule's YieldOp graph run through "
-                "`TrainingAgent.run_forward/run_backward`.",
-                "",
-            ]
+        lines += ["", f"ORT C++ level-1 plans ({len(plans)}): `{','.join(plans)}`", ""]
+        lines += _goal(configs)
         for level in ("ort_l1", "ort_l2"):
             applied = entry["prepare"]["applied"][level]
             text = ", ".join(f"{a['plan']} x{a['applied']}" for a in applied if a["applied"])
             lines.append(f"ortpass {level[-2:].upper()} plans: {text}")
         lines.append("")
     return "\n".join(lines)
+
+
+def _goal(configs: dict) -> list[str]:
+    """Issue 7's goal: level 1's peak no higher than ORT C++'s and torch checkpoint's, at
+    less extra step time than either."""
+    ours, cpp, ckpt = configs["ort_l1"], configs["ort_cpp_l1"], configs["torch_ckpt"]
+    extra = {
+        "ortpass L1": ours["step_seconds"] / configs["ort"]["step_seconds"] - 1,
+        "ORT C++ L1": cpp["step_seconds"] / configs["ort"]["step_seconds"] - 1,
+        "torch checkpoint": ckpt["step_seconds"] / configs["torch"]["step_seconds"] - 1,
+    }
+    peaks = ", ".join(f"{name} {cfg['step_peak_mib']:.0f} MiB" for name, cfg in
+                      [("ortpass L1", ours), ("ORT C++ L1", cpp), ("torch checkpoint", ckpt)])
+    met = ours["step_peak_mib"] <= min(cpp["step_peak_mib"], ckpt["step_peak_mib"])
+    return [
+        f"Goal (peak): {peaks}: {'met' if met else 'not met'}. "
+        "Extra step time: " + ", ".join(f"{name} {value:+.0%}" for name, value in extra.items()) + ".",
+        "",
+    ]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -354,6 +461,8 @@ def main(argv: list[str] | None = None) -> None:
             out = child_ort_plans(work_path)
         elif kind == "ort":
             out = child_ort(work_path, rest[0], int(rest[1]))
+        elif kind == "ort-cpp":
+            out = child_ort_cpp(work_path, int(rest[0]))
         else:
             out = child_torch(work_path, rest[0], int(rest[1]), int(rest[2]))
         print(json.dumps(out))
