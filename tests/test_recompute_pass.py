@@ -19,7 +19,7 @@ import torch
 import ortpass
 from ortpass.analysis import find_layer_boundaries, get_partition
 from ortpass.analysis.partition import SIDE_KEY, TrainingInfo, set_training_info, tag
-from ortpass.errors import PassOrderingError, PlanError
+from ortpass.errors import PassOrderingError, PipelineSpecError, PlanError
 from ortpass.export import export
 from ortpass.passes import FixDropoutSeedPass, RecomputePass
 from ortpass.passes.recompute import RECOMPUTE_OF_KEY
@@ -146,8 +146,10 @@ def test_bad_level_is_refused():
 
 
 def test_bad_plan_in_a_pipeline_fails_before_touching_the_model():
-    with pytest.raises(PlanError, match="Gelu"):
+    # The pipeline names the pass and its options, and keeps the PlanError as the cause.
+    with pytest.raises(PipelineSpecError, match=r"recompute.*Gelu\+:x:-1") as caught:
         ortpass.pipeline("recompute(plans='Gelu+:x:-1')")
+    assert isinstance(caught.value.__cause__, PlanError)
 
 
 # -- ordering and dropout seeds -------------------------------------------------------------------
