@@ -227,7 +227,7 @@ compared with ORT's printed table.
   ortpass's own training graph (y and mask stashed) ortpass reports `5120*batch`
   (see `ortpass_table_on_own_training_graph` in the JSON).
 - Reshape+ (ORT x1, ortpass none): the labels Reshape is a view of the graph input
-  `labels`; recomputing it frees nothing.  ORT counts `unk__0*8` bytes that are not saved.
+  `labels`; recomputing it frees nothing.  ORT counts `batch*seq*8` bytes that are not saved.
 - Unsqueeze+ (ORT x1, ortpass none): a 1-element int64 tensor; ortpass applies the size
   floor to stashed buffers too (ORT applies it only to inputs it follows).
 - Gelu+ (ORT x2) vs ortpass Gelu+ x1 + Gelu+Reshape+ x1: for one Gelu, backward reads only a
