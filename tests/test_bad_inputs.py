@@ -408,9 +408,6 @@ class Case:
     call: Callable[[Input], Any]
     error: type[BaseException]
     match: str
-    #: Set where the module under test (owned elsewhere) still gets this wrong: the row then
-    #: runs as a strict xfail with this reason, so it starts failing once the bug is fixed.
-    known_bug: str | None = None
 
 
 CASES = [
@@ -495,14 +492,13 @@ CASES = [
     Case("plan-list-with-int", model_input(_training), "RecomputePass(...)", recompute(["Gelu+:1:-1", 3]), PlanError,
          r"a plan must be a string .* not int 3"),
     Case("plans-not-strings", model_input(_training), "RecomputePass(...)", recompute(5), PlanError,
-         r"not int 5", known_bug="ortpass.analysis.plans.parse_plans iterates over an int: TypeError "
-         "\"'int' object is not iterable\" names neither the option nor the value"),
+         r"plans must be a comma-joined string or a list of plan strings, not int 5"),
     Case("plans-with-level", model_input(_training), "RecomputePass(...)", recompute("Gelu+:1:-1", level=1), PlanError,
          r"level 1 selects every detected plan itself"),
     Case("bad-level", model_input(_training), "RecomputePass(...)", recompute(level=7), ValueError,
          r"recompute level must be one of \(0, 1, 2\), not 7"),
     Case("plan-in-pipeline", model_input(_training), "pipeline(...)", make_pipeline("recompute(plans='Gelu')"),
-         PlanError, r"bad plan string 'Gelu'"),
+         PipelineSpecError, r"pass 'recompute' .*PlanError: bad plan string 'Gelu'"),
     Case("plan-file-missing", with_plan_file(None, "absent.json"), "RecomputePass(config_file=...)",
          recompute_with_plan_file, PlanError, r"plan file '.*absent\.json' does not exist"),
     Case("plan-file-not-json", with_plan_file("{not json"), "RecomputePass(config_file=...)",
@@ -589,10 +585,7 @@ def test_the_corpus_is_large_enough():
 
 
 def _params(rows):
-    return [
-        pytest.param(row, id=row.id, marks=pytest.mark.xfail(strict=True, reason=row.known_bug) if row.known_bug else ())
-        for row in rows
-    ]
+    return [pytest.param(row, id=row.id) for row in rows]
 
 
 @pytest.mark.parametrize("case", _params(CASES))
@@ -616,7 +609,6 @@ class Skip:
     model: Callable[[], ir.Model]
     make_pass: Callable[[], ir.passes.PassBase]
     why: str  # regex over the pass's statistics and its log records
-    known_bug: str | None = None  # as Case.known_bug
 
 
 SKIPS = [

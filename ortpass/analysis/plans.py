@@ -117,8 +117,12 @@ def parse_plans(plans: str | PlanSpec | Sequence[str | PlanSpec] | None) -> list
         if not plans.strip():
             return []
         items: Sequence[str | PlanSpec] = plans.split(",")
-    else:
+    elif isinstance(plans, (list, tuple)):
         items = plans
+    else:
+        raise PlanError(
+            f"plans must be a comma-joined string or a list of plan strings, not {type(plans).__name__} {plans!r}"
+        )
     specs = []
     for item in items:
         if isinstance(item, PlanSpec):

@@ -29,17 +29,18 @@ class BuildTrainingGraphPass(OrtFunctionalPass):
 
     provides_properties = {"training-graph"}
 
-    def __init__(self, params: Sequence[str] | None = None, loss: str | None = None):
+    def __init__(self, params: Sequence[str] | None = None, loss: str | None = None, ort_fusions: bool = True):
         super().__init__()
         self.params = list(params) if params is not None else None
         self.loss = loss
+        self.ort_fusions = ort_fusions
 
     def requires(self, model: ir.Model) -> None:
         if is_training_graph(model):
             raise ir.passes.PreconditionError("the model is already a training graph")
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        training = build_training_graph(model, params=self.params, loss=self.loss)
+        training = build_training_graph(model, params=self.params, loss=self.loss, ort_fusions=self.ort_fusions)
         partition = get_partition(training)
         self.count("forward nodes", len(partition.forward))
         self.count("backward nodes", len(partition.backward))

@@ -43,6 +43,7 @@ def build_training_graph(
     *,
     params: Sequence[str] | None = None,
     loss: str | None = None,
+    ort_fusions: bool = True,
 ) -> ir.Model:
     """Return a new model computing the loss and ``<param>_grad`` for every parameter.
 
@@ -53,6 +54,11 @@ def build_training_graph(
             that is not a scalar.
         loss: the scalar loss output; default: the one recorded at export, else ``loss``,
             else the only graph output.
+        ort_fusions: first run ORT's pre-gradient graph transformers, as ORTModule did:
+            they fuse torch's decomposed ops (the exact GELU's Div/Erf/Add/Mul/Mul into
+            one ``com.microsoft::Gelu``, whose gradient stashes one tensor instead of
+            four) and fold shape arithmetic.  Pass False to differentiate the graph
+            exactly as given.
 
     Raises:
         TrainingGraphError: the loss or a parameter cannot be found, the opset is newer
@@ -63,17 +69,21 @@ def build_training_graph(
     loss = _resolve_loss(proto, loss or export_info.get("loss"))
     params = _resolve_params(proto, params if params is not None else export_info.get("params"))
     check_forward_model(proto, loss)
-    clamp_for_ort(proto)
-    _add_outputs_the_gradient_builder_needs(proto)
-    forward_names = _ensure_unique_node_names(proto)
-    _make_params_inputs(proto, params)
-    proto = _infer_forward_shapes(proto)
-
     if any(node.op_type == "PythonOp" for node in proto.graph.node):
         from ortpass.runtime import bridge  # only models with PythonOps need torch here
 
-        bridge.prepare(ir.from_proto(proto))
-
+        # Before ORT sees the graph: ORT's symbolic shape inference and gradient builder
+        # call back into the registered Functions, and a bad PythonOp gets named here.
+        bridge.prepare(model)
+    clamp_for_ort(proto)
+    # Shapes first: ORT keeps the shapes it is given through its fusions, but its symbolic
+    # inference has no rule for the ConcatTraining those fusions emit.
+    proto = _infer_forward_shapes(proto)
+    if ort_fusions:
+        proto = _run_pre_gradient_transformers(proto, params)
+    _add_outputs_the_gradient_builder_needs(proto)
+    forward_names = _ensure_unique_node_names(proto)
+    _make_params_inputs(proto, params, loss)
     training_proto = _run_gradient_builder(proto, loss, params)
     clamp_for_ort(training_proto)
     training_proto = _infer_shapes(training_proto)
@@ -281,13 +291,31 @@ def _ensure_unique_node_names(proto: onnx.ModelProto) -> set[str]:
     return seen
 
 
-def _make_params_inputs(proto: onnx.ModelProto, params: Sequence[str]) -> None:
+def _make_params_inputs(proto: onnx.ModelProto, params: Sequence[str], loss: str) -> None:
     existing = {i.name for i in proto.graph.input}
     initializers = {init.name: init for init in proto.graph.initializer}
+    read = {name for node in proto.graph.node for name in node.input}
     for name in params:
-        if name not in existing:
-            init = initializers[name]
-            proto.graph.input.append(onnx.helper.make_tensor_value_info(name, init.data_type, list(init.dims)))
+        # ORT's transformers drop initializers nothing reads; its gradient builder fails on
+        # one with "couldn't find the consumer node".
+        if name not in read:
+            raise TrainingGraphError(f"parameter {name!r} does not affect the loss {loss!r}: nothing reads it")
+        if name in existing:
+            continue
+        init = initializers[name]
+        proto.graph.input.append(onnx.helper.make_tensor_value_info(name, init.data_type, list(init.dims)))
+
+
+def _run_pre_gradient_transformers(proto: onnx.ModelProto, params: Sequence[str]) -> onnx.ModelProto:
+    from onnxruntime.capi import _pybind_state as C
+
+    options = C.SessionOptions()
+    options.log_severity_level = 3
+    try:
+        # The parameters are named so that constant folding leaves them alone.
+        return onnx.load_from_string(C.get_optimized_model(proto.SerializeToString(), set(params), options))
+    except Exception as exc:
+        raise TrainingGraphError(f"ONNX Runtime's pre-gradient transformers failed: {_ort_message(exc)}") from exc
 
 
 def _run_gradient_builder(proto: onnx.ModelProto, loss: str, params: Sequence[str]) -> onnx.ModelProto:
