@@ -207,7 +207,8 @@ def _load_ort():
 
 
 def _ort_training_options(C):
-    """ORTModule's session options for training (see the module docstring)."""
+    """ORTModule's session options for training (see the module docstring): TrainingSession's
+    (no memory reuse, no memory pattern), plus, for measuring RSS, no arena and no prepacking."""
     options = C.SessionOptions()
     options.log_severity_level = 3
     # Without this, freed tensors go back to ORT's arena, not to the OS, and the RSS after

@@ -92,6 +92,11 @@ class TrainingSession:
 
         options = ort.SessionOptions()
         options.log_severity_level = 3
+        # ORTModule's settings for training sessions.  Memory reuse keeps a freed buffer
+        # held until a later value of the same size takes it: +100 MiB of step peak on a
+        # 4-layer decoder with recompute (benchmarks/recompute_memory.py).
+        options.enable_mem_reuse = False
+        options.enable_mem_pattern = False
         if optimized_model_path is not None:
             options.optimized_model_filepath = os.fspath(optimized_model_path)
         self.providers = _resolve_providers(providers, ort.get_available_providers())
