@@ -326,8 +326,17 @@ def _table_row(r: PassRecord) -> tuple[str, ...]:
     )
 
 
+#: Op types listed per table cell; a gradient build adds dozens (the JSON report has all).
+_TABLE_OPS = 6
+
+
 def _format_counts(counts: dict[str, int], sign: str) -> str:
-    return " ".join(f"{op}{sign}{n}" for op, n in sorted(counts.items())) or "-"
+    ranked = sorted(counts.items(), key=lambda item: (-item[1], item[0]))
+    cell = " ".join(f"{op}{sign}{n}" for op, n in ranked[:_TABLE_OPS])
+    if len(ranked) > _TABLE_OPS:
+        rest = ranked[_TABLE_OPS:]
+        cell += f" (+{len(rest)} types, {sign}{sum(n for _, n in rest)})"
+    return cell or "-"
 
 
 def _format_stats(stats: dict[str, Any]) -> str:

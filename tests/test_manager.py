@@ -445,3 +445,11 @@ def test_importing_the_manager_and_the_command_does_not_start_onnxruntime():
 
 def test_importing_ortpass_does_not_import_torch():
     assert "torch" not in _modules_after_import("import ortpass")
+
+
+def test_table_cells_list_the_commonest_op_types_and_count_the_rest():
+    from ortpass.manager import _format_counts
+
+    counts = {f"Op{i}": i for i in range(1, 10)}  # 9 types, 45 nodes
+    assert _format_counts(counts, "+") == "Op9+9 Op8+8 Op7+7 Op6+6 Op5+5 Op4+4 (+3 types, +6)"
+    assert _format_counts({}, "-") == "-"

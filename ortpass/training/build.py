@@ -23,7 +23,7 @@ from typing import Iterable, Sequence
 import onnx
 import onnx_ir as ir
 
-from ortpass.analysis.partition import TrainingInfo, set_training_info, tag
+from ortpass.analysis.partition import SIDE_KEY, TrainingInfo, set_training_info, tag
 from ortpass.errors import TrainingGraphError
 from ortpass.metadata import get_export_info
 
@@ -96,10 +96,12 @@ def build_training_graph(
     _tag_sides(training, forward_names)
     training.metadata_props.update(model.metadata_props)
     set_training_info(training, TrainingInfo(loss=loss, params=tuple(params), gradients=gradients))
+    # Counted on the result: the builder turns Constant nodes into initializers.
+    forward_count = sum(node.metadata_props[SIDE_KEY] == "forward" for node in training.graph)
     logger.info(
         "built training graph: %d forward + %d backward nodes, %d gradients",
-        len(forward_names),
-        len(training.graph) - len(forward_names),
+        forward_count,
+        len(training.graph) - forward_count,
         len(gradients),
     )
     return training
