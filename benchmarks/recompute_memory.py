@@ -165,25 +165,15 @@ def _save_ort_module_graph(training, work: Path) -> None:
     (YieldOp between forward and backward), with the parameter values and the feed names."""
     import numpy as np
     import onnx.numpy_helper
-    import onnxruntime.capi._pybind_state as C
 
     from ortpass.analysis import get_training_info
 
     sys.path.insert(0, str(HERE))
-    from recompute_vs_ort_analysis import forward_model_for_ort
+    from recompute_vs_ort_analysis import forward_model_for_ort, ort_module_gradient_graph
 
     forward = forward_model_for_ort(training)
-    params = list(get_training_info(training).params)
-    config = C.OrtModuleGraphBuilderConfiguration()
-    config.initializer_names = params
-    config.initializer_names_to_train = params
-    config.input_names_require_grad = []
-    config.build_gradient_graph = True
-    builder = C.OrtModuleGraphBuilder()
-    builder.initialize(forward.SerializeToString(), config)
-    builder.build(C.TrainingGraphTransformerConfiguration())
-    info = builder.get_graph_info()
-    (work / "ort_cpp.onnx").write_bytes(builder.get_gradient_model())
+    gradient_model, info = ort_module_gradient_graph(forward, list(get_training_info(training).params))
+    (work / "ort_cpp.onnx").write_bytes(gradient_model)
     trained = set(info.initializer_names_to_train)
     np.savez(
         work / "ort_cpp_params.npz",

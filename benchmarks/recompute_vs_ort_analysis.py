@@ -58,13 +58,9 @@ def forward_model_for_ort(training: ir.Model) -> onnx.ModelProto:
     return oh.make_model(fwd, opset_imports=list(proto.opset_import), ir_version=min(proto.ir_version, 8))
 
 
-def ort_memory_stat(
-    forward: onnx.ModelProto, params: list[str], probe: str = "1:0", optimized_path: str | None = None
-) -> dict[str, tuple[str, int]]:
-    """ORT's recompute plans: {plan string: (symbolic saving, frequency)}; the graph ORT
-    analysed (its YieldOp gradient graph after session optimizations) goes to
-    ``optimized_path`` when given."""
-    import onnxruntime as ort
+def ort_module_gradient_graph(forward: onnx.ModelProto, params: list[str]):
+    """ORTModule's gradient graph of ``forward`` (forward, YieldOp, backward), as ORT's
+    memory optimizer expects it, and ORT's graph info (input and trained names)."""
     import onnxruntime.capi._pybind_state as C
 
     config = C.OrtModuleGraphBuilderConfiguration()
@@ -75,12 +71,24 @@ def ort_memory_stat(
     builder = C.OrtModuleGraphBuilder()
     builder.initialize(forward.SerializeToString(), config)
     builder.build(C.TrainingGraphTransformerConfiguration())
-    graph_info = builder.get_graph_info()
+    return builder.get_gradient_model(), builder.get_graph_info()
+
+
+def ort_memory_stat(
+    forward: onnx.ModelProto, params: list[str], probe: str = "1:0", optimized_path: str | None = None
+) -> dict[str, tuple[str, int]]:
+    """ORT's recompute plans: {plan string: (symbolic saving, frequency)}; the graph ORT
+    analysed (its YieldOp gradient graph after session optimizations) goes to
+    ``optimized_path`` when given."""
+    import onnxruntime as ort
+    import onnxruntime.capi._pybind_state as C
+
+    gradient_model, graph_info = ort_module_gradient_graph(forward, params)
     options = ort.SessionOptions()
     options.log_severity_level = 3
     if optimized_path:
         options.optimized_model_filepath = optimized_path
-    session = ort.InferenceSession(builder.get_gradient_model(), options, providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(gradient_model, options, providers=["CPUExecutionProvider"])
     device = C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0)
     feeds = list(graph_info.user_input_names) + list(graph_info.initializer_names_to_train)
     fetches = [f"{p}_grad" for p in graph_info.initializer_names_to_train]

@@ -105,21 +105,12 @@ def time_ort_optimizer(training) -> dict:
     import onnxruntime.capi._pybind_state as C
 
     sys.path.insert(0, str(HERE))
-    from recompute_vs_ort_analysis import forward_model_for_ort
+    from recompute_vs_ort_analysis import forward_model_for_ort, ort_module_gradient_graph
 
     from ortpass.analysis import get_training_info
 
     params = list(get_training_info(training).params)
-    config = C.OrtModuleGraphBuilderConfiguration()
-    config.initializer_names = params
-    config.initializer_names_to_train = params
-    config.input_names_require_grad = []
-    config.build_gradient_graph = True
-    builder = C.OrtModuleGraphBuilder()
-    builder.initialize(forward_model_for_ort(training).SerializeToString(), config)
-    builder.build(C.TrainingGraphTransformerConfiguration())
-    gradient_model = builder.get_gradient_model()
-    info = builder.get_graph_info()
+    gradient_model, info = ort_module_gradient_graph(forward_model_for_ort(training), params)
 
     def create(entries: dict[str, str]):
         options = ort.SessionOptions()
