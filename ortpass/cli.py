@@ -90,6 +90,10 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("--json", metavar="R.json", help="save the summary and the analysis as JSON")
     report.add_argument("--plot", metavar="P.png", help="plot the recompute candidates")
     report.add_argument("--probe-level", type=int, default=1, metavar="N", help="recompute probe level, as ORT's (default 1)")
+    report.add_argument(
+        "--min-elements", type=int, default=1 << 20, metavar="N",
+        help="skip all-static stashed tensors smaller than this, as ORT does (default 1048576)",
+    )
     report.add_argument("--layer-boundary", action="store_true", help="group candidates by layer boundary")
     report.set_defaults(run=_report)
 
@@ -223,7 +227,11 @@ def _report(args: argparse.Namespace) -> int:
     from ortpass.analysis.recompute import find_recompute_candidates
 
     candidates = find_recompute_candidates(
-        model, probe_level=args.probe_level, layer_boundary=args.layer_boundary, dims=None
+        model,
+        probe_level=args.probe_level,
+        layer_boundary=args.layer_boundary,
+        dims=None,
+        min_elements=args.min_elements,
     )
     print()
     print(candidates.to_table())
