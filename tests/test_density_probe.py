@@ -7,7 +7,6 @@ import io
 import logging
 import warnings
 
-import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest

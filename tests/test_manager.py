@@ -14,7 +14,6 @@ import onnx_ir as ir
 from onnx_ir.passes.common import IdentityEliminationPass
 import pytest
 
-from conftest import make_relu_model
 from ortpass import PassManager, PassReport
 from ortpass.errors import ModelLoadError, PassFailedError, PassOrderingError
 from ortpass.instruments import ProgressInstrument

@@ -602,7 +602,7 @@ def _bind_internal_dims(model: ir.Model, dims: dict | None, stashed: Sequence[ir
     notes = []
     if bound:
         notes.append(
-            f"internal dims bound by shape inference at these dims: "
+            "internal dims bound by shape inference at these dims: "
             + ", ".join(f"{k}={v}" for k, v in sorted(bound.items()))
         )
     return {**dims, **bound}, notes
