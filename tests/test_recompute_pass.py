@@ -89,6 +89,61 @@ def test_gelu_plan_clones_gelu_and_moves_only_the_backward_consumer():
     assert pass_.stats["counts"]["nodes cloned"] == 1
 
 
+def leaf_chain_training_graph() -> ir.Model:
+    """The gelu graph's forward, and a backward laid out as ORT's pre-gradient fusions
+    leave it, with the weight-gradient chain after all of backward:
+
+    - ``d1 = a * x`` (reads the stashed ``a``) feeds the leaf ``b1_sum`` and the chain
+      ``w1_transpose -> w1_neg`` (the leaf), which only ``w1_neg`` reads;
+    - ``d2 = d1 * h`` (reads the stashed ``h``) feeds the leaves ``b2_sum`` and ``b3_max``.
+    """
+    nodes = [
+        ("forward", oh.make_node("Mul", ["x", "w"], ["h"], name="mul")),
+        ("forward", oh.make_node("Gelu", ["h"], ["a"], name="gelu")),
+        ("forward", oh.make_node("Mul", ["a", "w2"], ["y"], name="mul2")),
+        ("forward", oh.make_node("ReduceSum", ["y"], ["loss"], name="sum", keepdims=0)),
+        ("backward", oh.make_node("Mul", ["a", "x"], ["d1"], name="d1_mul")),
+        ("backward", oh.make_node("ReduceSum", ["d1"], ["b1_grad"], name="b1_sum", keepdims=0)),
+        ("backward", oh.make_node("Mul", ["d1", "h"], ["d2"], name="d2_mul")),
+        ("backward", oh.make_node("ReduceSum", ["d2"], ["b2_grad"], name="b2_sum", keepdims=0)),
+        ("backward", oh.make_node("ReduceMax", ["d2"], ["b3_grad"], name="b3_max", keepdims=0)),
+        ("backward", oh.make_node("Transpose", ["d1"], ["w1_t"], name="w1_transpose")),
+        ("backward", oh.make_node("Neg", ["w1_t"], ["w1_grad"], name="w1_neg")),
+    ]
+    scalar_grads = ("b1_grad", "b2_grad", "b3_grad")
+    graph = oh.make_graph(
+        [n for _, n in nodes],
+        "leaf_chain",
+        [oh.make_tensor_value_info(n, F, [4, 8]) for n in ("x", "w", "w2", "b3")],
+        [
+            oh.make_tensor_value_info("loss", F, []),
+            *(oh.make_tensor_value_info(n, F, []) for n in scalar_grads),
+            oh.make_tensor_value_info("w1_grad", F, [8, 4]),
+        ],
+    )
+    proto = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 20)], ir_version=8)
+    model = ir.from_proto(onnx.shape_inference.infer_shapes(proto))
+    for (side, _), node in zip(nodes, model.graph):
+        tag(node, side)
+    grads = {"x": "b1_grad", "w": "w1_grad", "w2": "b2_grad", "b3": "b3_grad"}
+    set_training_info(model, TrainingInfo("loss", tuple(grads), grads))
+    return model
+
+
+def test_a_leaf_moves_with_the_chain_only_it_reads_ranked_by_when_its_inputs_exist():
+    model = leaf_chain_training_graph()
+    assert RecomputePass("Gelu+:1:-1", min_elements=0)(model).modified
+    names = [n.name for n in model.graph]
+    # ORT's default order walks leaves from the last one in graph order.  Units by when
+    # their outside inputs exist: b1_sum and the w1 chain after d1_mul (b1_sum first: it
+    # sits earlier), b2_sum and b3_max after d2_mul.  The first ready goes last.  Ranked
+    # by the leaves' own positions, w1_neg (last in the graph) would be walked last and
+    # keep d1 alive to the end of the step.
+    assert names[-7:] == ["d1_mul", "d2_mul", "b3_max", "b2_sum", "w1_transpose", "w1_neg", "b1_sum"]
+    assert names.index("gelu_recompute") == names.index("d1_mul") - 1
+    onnx.checker.check_model(ir.to_proto(model))
+
+
 def test_plans_given_as_list_string_and_file_give_the_same_graph(tmp_path):
     path = tmp_path / "plans.json"
     path.write_text(json.dumps(["Gelu+:1:-1"]))
@@ -324,20 +379,26 @@ def test_common_subexpression_elimination_would_merge_clones(decoder_graph, tmp_
     assert pairs(cse_names) < pairs(no_cse_names)  # (an original fused under another name drops out of both)
 
 
-def test_clones_and_gradient_outputs_run_when_backward_needs_them_on_ort(decoder_graph, tmp_path):
-    """ORT's default order, profiled: no clone runs before the loss (forward keeps only the
-    checkpoints), and the last layer's bias gradients (leaves, moved to the end of the
-    graph in reverse) run before any clone of the first layer, not at the end of the step
-    where they would keep their inputs alive: the properties the memory saving rests on."""
+@pytest.fixture(scope="module")
+def fused_decoder_graph() -> ir.Model:
+    """The decoder built with ORT's pre-gradient fusions, which re-sort the graph: the
+    weight-gradient Reshape-Gemm-Transpose chains come after all of backward."""
+    torch.manual_seed(0)
+    model = GPTDecoder(vocab=64, hidden=32, heads=4, layers=2, max_seq=16, dropout=0.2)
+    ids = torch.randint(0, 64, (2, 16))
+    return build_training_graph(export(model, (ids, ids), input_names=["input_ids", "labels"]), ort_fusions=True)
+
+
+def _ort_execution_order(model: ir.Model, tmp_path) -> list[str]:
+    """The node names in the order ORT's default execution order ran them (profiled)."""
     import onnxruntime as ort
 
-    recomputed, _ = _rewrite(decoder_graph, 1, recompute=True)
     options = ort.SessionOptions()
     options.log_severity_level = 3
     options.enable_profiling = True
     options.profile_file_prefix = str(tmp_path / "profile")
     session = ort.InferenceSession(
-        ir.to_proto(recomputed).SerializeToString(),
+        ir.to_proto(model).SerializeToString(),
         options,
         providers=["CPUExecutionProvider"],
         disabled_optimizers=list(DISABLED_ORT_OPTIMIZERS),
@@ -346,12 +407,32 @@ def test_clones_and_gradient_outputs_run_when_backward_needs_them_on_ort(decoder
     session.run(None, feeds)
     events = json.loads(open(session.end_profiling()).read())
     suffix = "_kernel_time"
-    order = [e["name"][: -len(suffix)] for e in events if e.get("cat") == "Node" and e["name"].endswith(suffix)]
+    return [e["name"][: -len(suffix)] for e in events if e.get("cat") == "Node" and e["name"].endswith(suffix)]
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "ort-fusions"])
+def test_clones_and_gradient_outputs_run_when_backward_needs_them_on_ort(decoder_graph, fused_decoder_graph, fused, tmp_path):
+    """ORT's default order, profiled: no clone runs before the loss (forward keeps only the
+    checkpoints), and every gradient output of the last layer (bias ReduceSums, weight
+    gradients: leaves, moved to the end of the graph) runs before any clone of the first
+    layer, not at the end of the step where it would keep its inputs alive: the properties
+    the memory saving rests on.  With ORT's fusions the weight-gradient chains sit after
+    all of backward in the graph as built, and ranking leaves by position deferred them
+    (and the bias gradients ranked alike) to the end of the step."""
+    recomputed, _ = _rewrite(fused_decoder_graph if fused else decoder_graph, 1, recompute=True)
+    order = _ort_execution_order(recomputed, tmp_path)
     loss = order.index("/loss/SoftmaxCrossEntropyLoss")
     assert not [name for name in order[:loss] if "_recompute" in name]
     first_layer0_clone = min(i for i, name in enumerate(order) if "/blocks.0/" in name and "_recompute" in name)
-    layer1_bias_grads = [i for i, name in enumerate(order) if name.startswith("/blocks.1/") and "Add_Grad/ReduceSum" in name]
-    assert layer1_bias_grads and max(layer1_bias_grads) < first_layer0_clone
+    layer1_leaves = {  # nodes that produce a gradient output and that no node reads
+        node.name
+        for node in recomputed.graph
+        if any(out.name.startswith("blocks.1.") and out.is_graph_output() for out in node.outputs)
+        and not any(out.uses() for out in node.outputs)
+    }
+    assert len(layer1_leaves) == 8  # weight and bias of qkv, proj, fc_in and fc_out
+    late = [name for name in layer1_leaves if order.index(name) > first_layer0_clone]
+    assert not late
 
 
 def test_recompute_pass_is_registered_post_grad():

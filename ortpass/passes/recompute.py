@@ -35,11 +35,17 @@ profiling, decoders of 2 and 4 layers):
   nothing.  Do not use it with this pass.  (``MEMORY_EFFICIENT``, ORTModule's, needs the
   YieldOp graph; on a plain training graph it gives DEFAULT's order.)
 
-So the pass writes the order into the graph for DEFAULT's walk: backward leaves go to the
-end of the graph in reverse order (the first to become computable gets the highest index,
-so each leaf runs as soon as its inputs exist), and each clone is placed right before its
-first backward consumer.  This holds only while ORT creates no leaf of its own, so
-sessions disable GemmTransposeFusion (it replaces the weight-gradient Gemms).
+So the pass writes the order into the graph for DEFAULT's walk: each backward leaf, with
+the backward nodes that only it reads (a weight gradient's Reshape-Gemm-Transpose chain),
+goes to the end of the graph, ranked by when the values it reads from the rest of the graph
+exist (the first to become computable gets the highest index, so each leaf runs as soon as
+its inputs exist), and each clone is placed right before its first backward consumer.
+Ranking by the leaf's own position is not enough: ORT's pre-gradient fusions
+(``build_training_graph(ort_fusions=True)``) re-sort the graph and put every
+weight-gradient chain after all of backward, and the walk then deferred them, with the
+bias gradients, to the end of the step (4 layers, level 1: 416 MiB step peak instead of
+237).  This holds only while ORT creates no leaf of its own, so sessions disable
+GemmTransposeFusion (it replaces the weight-gradient Gemms).
 ``benchmarks/recompute_memory.py`` measures the resulting peak memory.
 
 ORT's own optimizers can undo the rewrite: common subexpression elimination merges a clone
@@ -196,9 +202,10 @@ class RecomputePass(OrtPass):
     that producer is cloned too, else the forward value itself.  Then every *backward*
     consumer of a cloned node's output reads the clone's output instead; forward consumers
     and graph outputs keep the original.  Clones are tagged ``backward``.  Execution-order
-    hint (see the module docstring): backward nodes no node reads move to the end of the
-    graph in reverse order, and each clone is placed right before its first backward
-    consumer.  Subgraphs of several occurrences that share nodes share clones.
+    hint (see the module docstring): backward nodes no node reads, each with the backward
+    nodes only it reads, move to the end of the graph, the first to become computable
+    last, and each clone is placed right before its first backward consumer.  Subgraphs
+    of several occurrences that share nodes share clones.
 
     Refuses (model unchanged) to clone a Dropout without a ``seed`` attribute: run
     ``FixDropoutSeedPass`` with the same options first (the pass manager does, from the
@@ -385,15 +392,72 @@ def _place_clones(graph: ir.Graph, clones: list[ir.Node]) -> None:
 
 
 def _order_gradient_leaves(graph: ir.Graph) -> None:
-    """Move the backward nodes no node reads (they produce gradient outputs) to the end of
-    the graph, in reverse order, so that ORT's default order runs each one as soon as its
-    inputs exist (see the module docstring: ORT takes leaves from the last one in graph
-    order).  A leaf has no consumer, so the graph stays topologically sorted.
+    """Move each backward leaf (a node no node reads: it produces gradient outputs), with
+    the backward nodes that feed only it, to the end of the graph, the leaf that becomes
+    computable first last, so that ORT's default order runs each one as soon as its inputs
+    exist (see the module docstring: ORT takes leaves from the last one in graph order).
+
+    A leaf's *unit* is the leaf and the nodes whose outputs only it reads, directly or
+    through other nodes of the unit (a weight gradient's Reshape-Gemm-Transpose chain).
+    Units are ranked by when the values they read from outside exist, not by where the
+    leaf sits: ORT's pre-gradient fusions re-sort the graph and put weight-gradient chains
+    after all of backward, and a rank by position then ran them (and the bias gradients
+    ranked alike) at the end of the step, keeping an activation gradient per layer alive.
+    A unit's outputs are read only inside it, so the graph stays topologically sorted.
     """
-    leaves = [node for node in graph if node.metadata_props.get(SIDE_KEY) == "backward" and not _has_consumer(node)]
-    for leaf in reversed(leaves):
-        graph.remove(leaf)
-        graph.append(leaf)
+    position = {node: i for i, node in enumerate(graph)}
+    units = _leaf_units(graph)
+    ready = {unit[-1]: _ready_position(unit, position) for unit in units}
+    units.sort(key=lambda unit: (ready[unit[-1]], position[unit[-1]]))
+    for unit in reversed(units):
+        for node in unit:
+            graph.remove(node)
+            graph.append(node)
+
+
+def _leaf_units(graph: ir.Graph) -> list[list[ir.Node]]:
+    """Each backward leaf with the backward nodes only it reads, in graph order (the leaf
+    last: every other member feeds it)."""
+    owner: dict[ir.Node, ir.Node] = {}  # node -> the leaf whose unit holds it
+    for node in reversed(graph):  # consumers before producers
+        if node.metadata_props.get(SIDE_KEY) != "backward":
+            continue
+        if not _has_consumer(node):
+            owner[node] = node
+            continue
+        if any(out.is_graph_output() for out in node.outputs):
+            continue
+        leaves = {owner.get(user) for out in node.outputs for user, _ in out.uses()}
+        if len(leaves) == 1 and None not in leaves:
+            owner[node] = leaves.pop()
+    units: dict[ir.Node, list[ir.Node]] = {}
+    for node in graph:
+        if node in owner:
+            units.setdefault(owner[node], []).append(node)
+    return list(units.values())
+
+
+def _ready_position(unit: Sequence[ir.Node], position: dict[ir.Node, int]) -> int:
+    """The graph position after which every value ``unit`` reads from outside exists."""
+    members = set(unit)
+    producers = [
+        value.producer()
+        for node in unit
+        for value in node.inputs
+        if value is not None and value.producer() not in members
+    ]
+    return max((_produced_at(p, position) for p in producers), default=-1)
+
+
+def _produced_at(producer: ir.Node | None, position: dict[ir.Node, int]) -> int:
+    """Where ``producer`` runs in graph order; -1 for graph inputs and initializers.  A
+    clone not placed yet runs once its own inputs exist."""
+    if producer is None:
+        return -1
+    if producer in position:
+        return position[producer]
+    inputs = [v.producer() for v in producer.inputs if v is not None]
+    return max((_produced_at(p, position) for p in inputs), default=-1)
 
 
 def _has_consumer(node: ir.Node) -> bool:
