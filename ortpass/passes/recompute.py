@@ -387,8 +387,12 @@ def _place_clones(graph: ir.Graph, clones: list[ir.Node]) -> None:
         if not candidates:
             raise AssertionError(f"clone {clone.name} has no consumer; the rewiring missed it")
         anchor[clone] = min(candidates, key=position.__getitem__)
+    # One insertion per anchor: each onnx_ir insertion call costs time in the graph's size.
+    groups: dict[ir.Node, list[ir.Node]] = {}
     for clone in clones:
-        graph.insert_before(anchor[clone], clone)
+        groups.setdefault(anchor[clone], []).append(clone)
+    for target, group in groups.items():
+        graph.insert_before(target, group)
 
 
 def _order_gradient_leaves(graph: ir.Graph) -> None:
@@ -409,10 +413,10 @@ def _order_gradient_leaves(graph: ir.Graph) -> None:
     units = _leaf_units(graph)
     ready = {unit[-1]: _ready_position(unit, position) for unit in units}
     units.sort(key=lambda unit: (ready[unit[-1]], position[unit[-1]]))
-    for unit in reversed(units):
-        for node in unit:
-            graph.remove(node)
-            graph.append(node)
+    moved = [node for unit in reversed(units) for node in unit]
+    # One removal and one extension: Graph.remove copies the graph's outputs on every call.
+    graph.remove(moved)
+    graph.extend(moved)
 
 
 def _leaf_units(graph: ir.Graph) -> list[list[ir.Node]]:
