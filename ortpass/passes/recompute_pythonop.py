@@ -235,19 +235,24 @@ def _widen_gradient(graph: ir.Graph, grad: ir.Node, states: Sequence[ir.Value]) 
     _with(attrs, "output_tensor_types", (_ints(grad, "output_tensor_types") or []) + [_UINT8] * _STATE_COUNT)
     _with(attrs, "output_tensor_ranks", (_ints(grad, "output_tensor_ranks") or []) + [1] * _STATE_COUNT)
     _with(attrs, "output_tensor_requires_grads", (_ints(grad, "output_tensor_requires_grads") or []) + [0] * _STATE_COUNT)
-    widened = ir.Node(
-        grad.domain,
-        grad.op_type,
-        list(grad.inputs),
-        attributes=list(attrs.values()),
-        num_outputs=len(grad.outputs) + _STATE_COUNT,
-        version=grad.version,
-        name=grad.name,
-        metadata_props=dict(grad.metadata_props),
-    )
+    widened = _with_state_outputs(grad, attrs)
     _take_place(graph, grad, widened)
     for state, output in zip(states, widened.outputs[len(grad.outputs) :]):
         output.name = f"{state.name}_grad"
+
+
+def _with_state_outputs(node: ir.Node, attrs: dict[str, ir.Attr]) -> ir.Node:
+    """A copy of ``node`` (same inputs, name, metadata) with ``attrs`` and two more outputs."""
+    return ir.Node(
+        node.domain,
+        node.op_type,
+        list(node.inputs),
+        attributes=list(attrs.values()),
+        num_outputs=len(node.outputs) + _STATE_COUNT,
+        version=node.version,
+        name=node.name,
+        metadata_props=dict(node.metadata_props),
+    )
 
 
 def _take_place(graph: ir.Graph, old: ir.Node, new: ir.Node) -> None:
@@ -278,16 +283,7 @@ def _saving_forward(node: ir.Node, save_name: str, cloner: "_Cloner") -> ir.Node
     requires = _ints(node, "output_tensor_requires_grads")
     if requires is not None:
         _with(attrs, "output_tensor_requires_grads", requires + [0] * _STATE_COUNT)
-    forward = ir.Node(
-        node.domain,
-        node.op_type,
-        list(node.inputs),
-        attributes=list(attrs.values()),
-        num_outputs=len(node.outputs) + _STATE_COUNT,
-        version=node.version,
-        name=node.name,
-        metadata_props=dict(node.metadata_props),
-    )
+    forward = _with_state_outputs(node, attrs)
     first = node.outputs[1].name if len(node.outputs) > 1 and node.outputs[1].name else node.name
     for suffix, state in zip(RNG_STATE_SUFFIXES, forward.outputs[len(node.outputs) :]):
         state.name = cloner.unique(f"{first}{suffix}")
