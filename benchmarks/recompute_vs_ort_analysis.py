@@ -74,6 +74,16 @@ def ort_module_gradient_graph(forward: onnx.ModelProto, params: list[str]):
     return builder.get_gradient_model(), builder.get_graph_info()
 
 
+def ort_training_agent(session, graph_info):
+    """ORT's TrainingAgent over a session of ORTModule's gradient graph (CPU feeds/fetches)."""
+    import onnxruntime.capi._pybind_state as C
+
+    device = C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0)
+    feeds = list(graph_info.user_input_names) + list(graph_info.initializer_names_to_train)
+    fetches = [f"{p}_grad" for p in graph_info.initializer_names_to_train]
+    return C.TrainingAgent(session._sess, feeds, [device] * len(feeds), fetches, [device] * len(fetches), 0)
+
+
 def ort_memory_stat(
     forward: onnx.ModelProto, params: list[str], probe: str = "1:0", optimized_path: str | None = None
 ) -> dict[str, tuple[str, int]]:
@@ -81,7 +91,6 @@ def ort_memory_stat(
     analysed (its YieldOp gradient graph after session optimizations) goes to
     ``optimized_path`` when given."""
     import onnxruntime as ort
-    import onnxruntime.capi._pybind_state as C
 
     gradient_model, graph_info = ort_module_gradient_graph(forward, params)
     options = ort.SessionOptions()
@@ -89,10 +98,7 @@ def ort_memory_stat(
     if optimized_path:
         options.optimized_model_filepath = optimized_path
     session = ort.InferenceSession(gradient_model, options, providers=["CPUExecutionProvider"])
-    device = C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0)
-    feeds = list(graph_info.user_input_names) + list(graph_info.initializer_names_to_train)
-    fetches = [f"{p}_grad" for p in graph_info.initializer_names_to_train]
-    agent = C.TrainingAgent(session._sess, feeds, [device] * len(feeds), fetches, [device] * len(fetches), 0)
+    agent = ort_training_agent(session, graph_info)
     with tempfile.TemporaryDirectory() as tmp:
         config_file = os.path.join(tmp, "plans.json")
         with open(config_file, "w") as f:

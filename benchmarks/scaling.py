@@ -105,10 +105,9 @@ def time_pipeline(forward) -> dict:
 def time_ort_optimizer(training) -> dict:
     """Session creation without/with ORT's memory optimizer (level 1), and its analysis."""
     import onnxruntime as ort
-    import onnxruntime.capi._pybind_state as C
 
     sys.path.insert(0, str(HERE))
-    from recompute_vs_ort_analysis import forward_model_for_ort, ort_module_gradient_graph
+    from recompute_vs_ort_analysis import forward_model_for_ort, ort_module_gradient_graph, ort_training_agent
 
     from ortpass.analysis import get_training_info
 
@@ -127,10 +126,7 @@ def time_ort_optimizer(training) -> dict:
     create({})  # warm ORT's one-time initialization so that both timings below are alike
     # Session creation varies by a few ms from run to run: keep the fastest of REPEATS.
     session, plain = min((create({}) for _ in range(REPEATS)), key=lambda pair: pair[1])
-    device = C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0)
-    feeds = list(info.user_input_names) + list(info.initializer_names_to_train)
-    fetches = [f"{p}_grad" for p in info.initializer_names_to_train]
-    agent = C.TrainingAgent(session._sess, feeds, [device] * len(feeds), fetches, [device] * len(fetches), 0)
+    agent = ort_training_agent(session, info)
     with tempfile.TemporaryDirectory() as tmp:
         empty = os.path.join(tmp, "none.json")
         pathlib.Path(empty).write_text("[]")
