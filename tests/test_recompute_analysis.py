@@ -238,6 +238,41 @@ def test_dropout_is_recomputable_and_both_stashed_outputs_count():
     assert {v.name for v in occ.boundary} == {"x", "ratio", "training"}
 
 
+def mask_only_dropout_model(backward_reads_output):
+    """Forward reads the Dropout's output (``Relu``, not recomputable, stands for a layer's
+    checkpoint Add); backward reads the mask and, optionally, the output too."""
+    ratio = oh.make_tensor("ratio", F32, [], [0.1])
+    training = oh.make_tensor("training", BOOL, [], [True])
+    forward = [
+        oh.make_node("Dropout", ["x", "ratio", "training"], ["y", "mask"], name="dropout"),
+        oh.make_node("Relu", ["y"], ["loss"], name="relu"),
+    ]
+    reads = ("y", "mask") if backward_reads_output else ("mask",)
+    return training_graph(
+        forward,
+        [oh.make_node("Cast", list(reads[-1:]), ["mask_f"], name="cast", to=F32), bw("dropout_grad", "mask_f", *reads[:-1])],
+        [_vi("x", F32, ["batch", 64])],
+        [_vi("y", F32, ["batch", 64]), _vi("mask", BOOL, ["batch", 64]), _vi("loss", F32, ["batch", 64]),
+         _vi("mask_f", F32, ["batch", 64])],
+        [ratio, training],
+    )
+
+
+def test_a_dropout_recomputed_for_its_mask_alone_is_skipped():
+    # The clone would compute y (4 bytes an element) for nobody, and ORT keeps a value
+    # nobody reads until the step ends, to free a 1-byte mask.
+    report = analyse(mask_only_dropout_model(backward_reads_output=False))
+    assert report.plans == []
+    (skip,) = report.skipped
+    assert skip.entry.name == "dropout"
+    assert "would compute 'y' for nobody" in skip.reason
+
+
+def test_a_dropout_whose_output_backward_reads_too_is_recomputed():
+    report = analyse(mask_only_dropout_model(backward_reads_output=True))
+    assert report.plan("Dropout+").saving_bytes == 8 * 64 * (4 + 1)
+
+
 def test_dropout_without_seed_attribute_opset_is_not_recomputable():
     report = analyse(dropout_model(opset=11))  # Dropout-10 has no seed: masks would differ
     assert report.plans == []

@@ -263,8 +263,9 @@ def test_recompute_changes_no_number_on_ort(decoder_graph, decoder_batch, level)
     assert pass_.stats["counts"]["nodes cloned"] > 0
     assert any(n.op_type == "Dropout" and n.name.endswith("_recompute") for n in recomputed.graph)
     expected_session, got_session = TrainingSession(baseline), TrainingSession(recomputed)
-    for _ in range(2):  # masks change between steps, and the clones follow
-        expected, got = expected_session.run(decoder_batch), got_session.run(decoder_batch)
+    for step in range(2):  # masks change between steps, and the clones follow
+        # Dropouts recompute leaves alone keep no seed: reseed ORT's global generator alike.
+        expected, got = expected_session.run(decoder_batch, seed=step), got_session.run(decoder_batch, seed=step)
         assert got.loss == expected.loss
         for name, grad in expected.gradients.items():
             np.testing.assert_array_equal(got.gradients[name], grad, err_msg=name)
@@ -272,8 +273,8 @@ def test_recompute_changes_no_number_on_ort(decoder_graph, decoder_batch, level)
 
 def test_level_1_keeps_only_layer_checkpoints_inside_layers(decoder_graph):
     """Layer-wise checkpointing: after level 1, the forward values backward (originals and
-    clones) reads from inside a layer are each layer's input, the last layer's output and
-    at most Reshape shapes (a few int64s; ORT's pre-gradient constant folding usually
+    clones) reads from inside a layer are each layer's input, the last layer's output,
+    the last Dropout's mask and at most Reshape shapes (a few int64s; ORT's pre-gradient constant folding usually
     leaves none); everything else in a layer is recomputed.  Before the
     fixes, Gelu's Erf chain, q/k/v (their Reshape shapes come from Concat), the final
     residual and the last layer's tail stayed stashed."""
@@ -285,12 +286,58 @@ def test_level_1_keeps_only_layer_checkpoints_inside_layers(decoder_graph):
     inside = [v for v in partition.stashed if layers.layer_of(position[v.producer()]) is not None]
     checkpoints = [v for v in inside if layers.is_checkpoint(v)]
     assert [v.name for v in checkpoints] == ["/blocks.0/Add_2_output_0", "/blocks.1/Add_2_output_0"]
-    others = [v for v in inside if v not in checkpoints]
+    # Each layer's last Dropout keeps its mask: a clone would also compute the Dropout's
+    # output, which only the checkpoint Add reads in forward, so nothing would read it.
+    masks = [v for v in inside if v.producer().op_type == "Dropout" and v.index() == 1]
+    assert [v.name for v in masks] == ["/blocks.0/drop_1/Dropout_output_1", "/blocks.1/drop_1/Dropout_output_1"]
+    assert all(
+        [u.node.op_type for u in v.producer().outputs[0].uses()] == ["Add"]
+        and layers.is_checkpoint(v.producer().outputs[0].uses()[0].node.outputs[0])
+        for v in masks
+    )
+    others = [v for v in inside if v not in checkpoints and v not in masks]
     assert all(v.dtype == ir.DataType.INT64 and len(v.shape) == 1 for v in others)
     assert all(v.uses() and all(u.node.op_type == "Reshape" for u in v.uses() if u.node.name.endswith("_recompute"))
                for v in others)
     # The first layer's input is produced outside the layers (the embedding Add) and kept.
     assert any(v.name == "/Add_output_0" and layers.is_checkpoint(v) for v in partition.stashed)
+
+
+def _unread(model: ir.Model) -> list[str]:
+    return [v.name for n in model.graph for v in n.outputs if v.name and not v.uses() and not v.is_graph_output()]
+
+
+def test_recompute_leaves_no_output_that_nobody_reads(decoder_graph):
+    # ORT never frees a value nobody reads until the step ends: the forward Dropouts'
+    # masks (backward reads the clones') and LayerNorms' statistics are dropped.
+    baseline, _ = _rewrite(decoder_graph, 1, recompute=False)
+    recomputed, _ = _rewrite(decoder_graph, 1, recompute=True)
+    assert _unread(baseline) == []
+    assert _unread(recomputed) == []
+    recomputed_names = {n.metadata_props[RECOMPUTE_OF_KEY] for n in recomputed.graph if RECOMPUTE_OF_KEY in n.metadata_props}
+    for node in recomputed.graph:
+        if node.name in recomputed_names and node.op_type in ("Dropout", "LayerNormalization"):
+            assert len(node.outputs) == 1, node.name
+    baseline_dropouts = [n for n in baseline.graph if n.op_type == "Dropout"]
+    assert baseline_dropouts and all(len(n.outputs) == 2 for n in baseline_dropouts)
+
+
+def test_a_forward_node_only_backward_read_is_removed_once_recomputed():
+    x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([4, 8]))
+    w = ir.Value(name="w", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([4, 8]))
+    relu = ir.node("Relu", [x], name="relu")  # forward: loss
+    neg = ir.node("Neg", [x], name="neg")  # forward, read by backward only
+    grad = ir.node("Mul", [neg.outputs[0], w], name="grad")
+    relu.outputs[0].name, neg.outputs[0].name, grad.outputs[0].name = "loss", "n", "w_grad"
+    for v in (relu.outputs[0], neg.outputs[0], grad.outputs[0]):
+        v.type, v.shape = ir.TensorType(ir.DataType.FLOAT), ir.Shape([4, 8])
+    graph = ir.Graph([x, w], [relu.outputs[0], grad.outputs[0]], nodes=[relu, neg, grad], opset_imports={"": 17})
+    model = ir.Model(graph, ir_version=8)
+    for node, side in ((relu, "forward"), (neg, "forward"), (grad, "backward")):
+        tag(node, side)
+    set_training_info(model, TrainingInfo("loss", ("w",), {"w": "w_grad"}))
+    RecomputePass("Neg+:1:-1", min_elements=0)(model)
+    assert [n.name for n in model.graph] == ["relu", "neg_recompute", "grad"]
 
 
 def test_without_seeds_the_clone_draws_another_mask(decoder_graph, decoder_batch):

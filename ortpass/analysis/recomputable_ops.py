@@ -53,6 +53,7 @@ __all__ = [
     "recomputable_function_of",
     "node_opset",
     "since_version",
+    "is_optional_output",
 ]
 
 logger = logging.getLogger(__name__)
@@ -187,6 +188,42 @@ def since_version(domain: str, op_type: str, opset: int) -> int | None:
         return onnx.defs.get_schema(op_type, max_inclusive_version=opset, domain="").since_version
     except onnx.defs.SchemaError:
         return 1
+
+
+@functools.lru_cache(maxsize=None)
+def _optional_outputs(op_type: str, opset: int) -> tuple[bool, ...]:
+    try:
+        schema = onnx.defs.get_schema(op_type, max_inclusive_version=opset, domain="")
+    except onnx.defs.SchemaError:
+        return ()
+    option = onnx.defs.OpSchema.FormalParameterOption
+    if any(o.option == option.Variadic for o in schema.outputs):
+        return ()
+    return tuple(o.option == option.Optional for o in schema.outputs)
+
+
+#: Optional outputs of ORT contrib ops, from ORT 1.19.2's schemas (onnx does not ship them):
+#: the dropout variants' mask.
+_MS_OPTIONAL_OUTPUTS = {"BitmaskDropout": (1,), "BiasDropout": (1,), "BitmaskBiasDropout": (1,)}
+
+
+def is_optional_output(node: ir.Node, index: int, opset_imports: Mapping[str, int]) -> bool:
+    """True when the schema of ``node`` marks output ``index`` optional: a Dropout's mask,
+    LayerNormalization's Mean and InvStdDev.  Default-domain schemas come from onnx;
+    com.microsoft ones from a short table (the dropout variants).  The recompute pass drops
+    an optional output nobody reads, and its analysis counts on that.
+    """
+    domain = _normalize_domain(node.domain)
+    if domain == MS_DOMAIN:
+        return index in _MS_OPTIONAL_OUTPUTS.get(node.op_type, ())
+    if domain != "" or node.op_type == "BatchNormalization":
+        # BatchNormalization's optional outputs select its training behaviour.
+        return False
+    opset = node_opset(node, opset_imports)
+    if opset is None:
+        return False
+    optional = _optional_outputs(node.op_type, opset)
+    return index < len(optional) and optional[index]
 
 
 def lookup_recomputable(

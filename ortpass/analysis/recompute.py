@@ -54,7 +54,13 @@ from ortpass.analysis import memory
 from ortpass.analysis.layers import LayerBoundaries, find_layer_boundaries
 from ortpass.analysis.partition import Partition, get_partition
 from ortpass.analysis.plans import PlanSpec, PlanType, cluster_id, parse_plans
-from ortpass.analysis.recomputable_ops import ProbeLevel, RecomputableOp, lookup_recomputable, recomputable_function_of
+from ortpass.analysis.recomputable_ops import (
+    ProbeLevel,
+    RecomputableOp,
+    is_optional_output,
+    lookup_recomputable,
+    recomputable_function_of,
+)
 from ortpass.metadata import get_export_info
 
 __all__ = [
@@ -518,12 +524,15 @@ class _Analysis:
     def saving(self, outputs: list[ir.Value], growth: _Growth) -> sympy.Expr | str:
         """Bytes freed by recomputing ``outputs`` with ``growth`` (a string: why none)."""
         members = set(growth.nodes)
+        rewired = set(outputs)
         freed = sympy.Integer(0)
         # Growth passes a buffer only when every stashed view of it is among ``outputs``
         # (see kept_by_backward), so a freed buffer is counted here and nowhere else.
         for buffer in dict.fromkeys(self.buffers.root(v) for v in outputs):
             if buffer.producer() not in members:
                 continue  # a view of a buffer the clones read: it stays alive
+            if any(self.left_unread(v, rewired) for v in self.stashed_views[buffer]):
+                continue  # the forward node still writes it and nobody frees it
             size = self.nbytes(buffer)
             if size is None:
                 return f"the size of {buffer.name!r} is unknown"
@@ -536,9 +545,81 @@ class _Analysis:
             if size is None:
                 return f"the size of kept value {buffer.name!r} is unknown"
             freed -= size
-        if freed == 0 or (freed.is_number and freed <= 0):
+        if freed.is_nonpositive:
             return "it frees no memory (its outputs are views of buffers that stay alive)"
         return freed
+
+    def droppable(self, value: ir.Value) -> bool:
+        """An output nobody reads that the rewrite drops (an optional output: see
+        :func:`~ortpass.analysis.recomputable_ops.is_optional_output`)."""
+        return is_optional_output(value.producer(), value.index(), self.opsets)  # type: ignore[arg-type]
+
+    def left_unread(self, value: ir.Value, rewired: set[ir.Value]) -> bool:
+        """True when, once backward reads a clone of ``value``, the forward node still
+        computes ``value`` for nobody.  ORT 1.19.2 frees a value after its last reader
+        and never frees one nobody reads: it stays allocated until the step ends
+        (measured: a forward Dropout whose mask only the clone's backward reads kept
+        10 MiB per layer).  Such a value is not freed unless the rewrite can drop it:
+        an optional output, or a producer whose every output ends up unread."""
+        if value not in rewired or value.is_graph_output():
+            return False
+        if any(not self.partition.is_backward(user) for user, _ in value.uses()):
+            return False  # forward still reads it; it dies after its last forward reader
+        if self.droppable(value):
+            return False
+        producer = value.producer()
+        if recomputable_function_of(producer) is not None:  # type: ignore[arg-type]
+            return False  # the forward PythonOp then runs in inference mode: its ctx holds nothing
+        return any(
+            out.is_graph_output() or bool(out.uses())
+            for out in producer.outputs  # type: ignore[union-attr]
+            if out is not value and out not in rewired
+        )
+
+    def charge_unread_clone_outputs(self, occurrences: list[Occurrence]) -> list[Occurrence | SkippedCandidate]:
+        """Subtract from each occurrence the outputs its clones would compute for nobody,
+        and turn an occurrence that then frees nothing into a skipped candidate.
+
+        Such an output is neither read by backward nor by another clone, and is not
+        optional (ORT keeps it until the step ends; see :meth:`left_unread`).  A recomputed
+        Dropout whose output backward does not need is the usual one: backward reads only
+        its mask, so recomputing a 1-byte-per-element mask costs a 4-byte-per-element
+        output.  Clones are shared between occurrences, so "another clone" means one of
+        any full (type-1) occurrence found, as level 1 applies them all; a level-0 plan
+        list that applies fewer can leave more unread.
+        """
+        members = {n for occ in occurrences if occ.type == PlanType.RECOMPUTE for n in occ.nodes}
+        rewired = {v for occ in occurrences if occ.type == PlanType.RECOMPUTE for v in occ.stashed}
+        charged: list[Occurrence | SkippedCandidate] = []
+        for occ in occurrences:
+            own = set(occ.nodes)
+            unread = [
+                value
+                for node in occ.nodes
+                for value in node.outputs
+                if value not in rewired
+                and value not in occ.stashed
+                and not any(user in members or user in own for user, _ in value.uses())
+                and not self.droppable(value)
+            ]
+            sizes = [self.nbytes(v) for v in unread]
+            if None in sizes:
+                name = unread[sizes.index(None)].name
+                charged.append(SkippedCandidate(occ.entry, f"the size of {name!r}, which its clone would compute for nobody, is unknown"))
+                continue
+            saving = occ.symbolic_saving - sympy.Add(*sizes)  # type: ignore[arg-type]
+            if unread and saving.is_nonpositive:
+                names = ", ".join(repr(v.name) for v in unread)
+                charged.append(SkippedCandidate(
+                    occ.entry,
+                    f"its clones would compute {names} for nobody, which ORT keeps until the step ends: "
+                    "more memory than recompute frees",
+                ))
+                continue
+            if unread:
+                occ = dataclasses.replace(occ, symbolic_saving=saving, saving_bytes=memory.evaluate(saving, self.dims))
+            charged.append(occ)
+        return charged
 
     def occurrence(self, entry: ir.Node, outputs: list[ir.Value], plan_type: PlanType) -> Occurrence | str:
         growth = self.grow(outputs, compromise=plan_type == PlanType.RECOMPUTE_WITH_COMPROMISE)
@@ -651,7 +732,7 @@ def find_recompute_candidates(
     analysis = _Analysis(
         training_model, partition, probe_level, layer_boundary, resolved_dims, max_nodes, min_elements
     )
-    records: dict[tuple[str, PlanType], PlanRecord] = {}
+    found: list[Occurrence] = []
     skipped: list[SkippedCandidate] = []
     for entry, outputs in analysis.entries():
         rejection = analysis.entry_rejection(entry, outputs)
@@ -662,12 +743,18 @@ def find_recompute_candidates(
         compromise = analysis.occurrence(entry, outputs, PlanType.RECOMPUTE_WITH_COMPROMISE)
         if isinstance(compromise, Occurrence) and isinstance(full, Occurrence) and compromise.nodes == full.nodes:
             compromise = "the same subgraph as the full recompute"
-        found = [occ for occ in (full, compromise) if isinstance(occ, Occurrence)]
-        if not found:
+        occurrences = [occ for occ in (full, compromise) if isinstance(occ, Occurrence)]
+        if not occurrences:
             skipped.append(SkippedCandidate(entry, full))  # type: ignore[arg-type]
-        for occ in found:
-            key = (occ.cluster, occ.type)
-            records.setdefault(key, PlanRecord(occ.cluster, occ.type, [])).occurrences.append(occ)
+        found += occurrences
+    records: dict[tuple[str, PlanType], PlanRecord] = {}
+    for occ in analysis.charge_unread_clone_outputs(found):
+        if isinstance(occ, SkippedCandidate):
+            if not any(s.entry is occ.entry for s in skipped):
+                skipped.append(occ)
+            continue
+        key = (occ.cluster, occ.type)
+        records.setdefault(key, PlanRecord(occ.cluster, occ.type, [])).occurrences.append(occ)
     plans = sorted(records.values(), key=lambda r: _sort_key(r, resolved_dims))
     stashed = analysis.stashed_activations()
     logger.info(

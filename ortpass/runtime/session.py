@@ -37,6 +37,7 @@ import onnx_ir as ir
 
 from ortpass.analysis.partition import SIDE_KEY, get_training_info
 from ortpass.errors import OrtpassError
+from ortpass.passes.recompute import RECOMPUTE_OF_KEY
 from ortpass.training.build import clamp_for_ort
 
 __all__ = ["StepResult", "TrainingSession", "dropout_mask_names", "DISABLED_ORT_OPTIMIZERS"]
@@ -161,13 +162,23 @@ class TrainingSession:
 
 
 def dropout_mask_names(model: ir.Model) -> list[str]:
-    """Mask outputs of the forward Dropout nodes, in graph (= call) order."""
-    return [
-        node.outputs[1].name
-        for node in model.graph
-        if node.op_type == "Dropout" and node.domain in ("", "ai.onnx") and len(node.outputs) > 1
-        and node.metadata_props.get(SIDE_KEY, "forward") == "forward"
-    ]
+    """Mask outputs of the forward Dropout nodes, in graph (= call) order.
+
+    Where recompute dropped a forward Dropout's mask (backward reads its clone's, which
+    draws the same), the clone's mask stands for it.
+    """
+    clones = {n.metadata_props[RECOMPUTE_OF_KEY]: n for n in model.graph if RECOMPUTE_OF_KEY in n.metadata_props}
+    names = []
+    for node in model.graph:
+        if node.op_type != "Dropout" or node.domain not in ("", "ai.onnx"):
+            continue
+        if node.metadata_props.get(SIDE_KEY, "forward") != "forward":
+            continue
+        source = node if len(node.outputs) > 1 and node.outputs[1].name else clones.get(node.name)
+        if source is None or len(source.outputs) < 2:
+            raise OrtpassError(f"Dropout {node.name!r} has no mask output, and no recompute clone has one")
+        names.append(source.outputs[1].name)
+    return names
 
 
 def _expose_values(proto: onnx.ModelProto, names: Sequence[str]) -> None:
