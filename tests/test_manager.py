@@ -262,6 +262,30 @@ def test_a_nothing_changed_run_still_returns_a_new_model(relu_model):
     assert op_types(result.model) == ["Relu"]
 
 
+class ReadsUndefinedButSaysUnchangedPass(ReadsUndefinedValuePass):
+    """Breaks the model and reports modified=False: a lie the manager must still catch."""
+
+    name = "lies-about-changes"
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        super().call(model)
+        return ir.passes.PassResult(model, False)
+
+
+def test_a_pass_that_changed_nothing_is_not_checked_again(relu_model, monkeypatch):
+    checked = []
+    real_check = onnx.checker.check_model
+    monkeypatch.setattr(onnx.checker, "check_model", lambda proto, *a, **k: (checked.append(len(proto.graph.node)), real_check(proto, *a, **k)))
+    report = PassManager([InsertIdentityPass(), NoOpPass()])(relu_model).report
+    assert checked == [1, 2]  # the input, then insert-identity's output; no-op: trusted
+    assert report["no-op"].check_seconds == 0
+
+
+def test_a_pass_that_says_unchanged_but_adds_a_node_is_checked(relu_model):
+    with pytest.raises(PassFailedError, match="fails the onnx checker after this pass.*never_defined"):
+        PassManager([ReadsUndefinedButSaysUnchangedPass()])(relu_model)
+
+
 class SnapshotBeforeEachPass:
     """Instrument keeping the serialized model each pass was given."""
 
