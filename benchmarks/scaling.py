@@ -161,7 +161,7 @@ def run_one(layers: int, dynamic: bool, with_ort: bool = True) -> dict:
     start = time.perf_counter()
     forward = export_forward(layers, dynamic)
     export_seconds = time.perf_counter() - start
-    pipeline, training = time_pipeline(forward)
+    pipeline, _ = time_pipeline(forward)
     result = {
         "layers": layers,
         "mode": "dynamic" if dynamic else "static",
@@ -172,8 +172,16 @@ def run_one(layers: int, dynamic: bool, with_ort: bool = True) -> dict:
     }
     # ORT's side creates its session several times; past a few hundred layers that alone
     # outlasts the time limit, so the largest graphs may time ortpass only.
-    result["ort"] = time_ort_optimizer(training) if with_ort else None
+    # ORT's optimizer gets the training graph as build-training-graph made it (recompute
+    # drops forward outputs, like Dropout masks, that ORT's gradient builder needs).
+    result["ort"] = time_ort_optimizer(training_graph(forward)) if with_ort else None
     return result
+
+
+def training_graph(forward):
+    import ortpass
+
+    return ortpass.pipeline(PIPELINE.split(",fix-dropout-seed")[0])(forward).model
 
 
 # -- the driver -----------------------------------------------------------------------------
@@ -246,7 +254,7 @@ def to_markdown(results: list[dict], summary: dict) -> str:
              f"GPT-like decoder, hidden 64, 4 heads, batch {BATCH}, seq {SEQ}; pipeline `{PIPELINE}`; "
              "2 cores. Times in ms.", ""]
     lines += ["| mode | layers | training nodes | ORT graph nodes | fix-dropout-seed | recompute | post-grad checks | "
-              "post-grad total | whole pipeline (wall) | ORT optimizer (session +) | ORT analysis |",
+              "post-grad total | whole pipeline (wall) | ORT optimizer: session + (of a session without) | ORT analysis |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if "pipeline" not in r:
@@ -257,7 +265,11 @@ def to_markdown(results: list[dict], summary: dict) -> str:
         checks = sum(by[n]["check_seconds"] for n in ("fix-dropout-seed", "recompute"))
         ort = r["ort"]
         ort_cells = (
-            (str(ort["ort_graph_nodes"]), f"{1e3 * ort['optimizer_seconds']:.0f}", f"{1e3 * ort['analysis_seconds']:.1f}")
+            (
+                str(ort["ort_graph_nodes"]),
+                f"{1e3 * ort['optimizer_seconds']:.0f} (of {1e3 * ort['session_seconds_without']:.0f})",
+                f"{1e3 * ort['analysis_seconds']:.1f}",
+            )
             if ort is not None
             else ("not run", "not run", "not run")
         )

@@ -1,0 +1,38 @@
+"""The benchmark scripts keep running against the current code (their numbers are
+recorded by running them by hand; here only the smallest configuration, for breakage)."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import sys
+
+import pytest
+
+BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(BENCHMARKS))  # the scripts import their sibling modules
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    return module
+
+
+@pytest.mark.slow
+def test_scaling_times_ortpass_and_ort_on_the_smallest_decoder():
+    scaling = _load("scaling")
+    result = scaling.run_one(2, dynamic=False)
+    passes = {p["pass"]: p for p in result["pipeline"]["passes"]}
+    assert list(passes) == [
+        "pythonop-shape-inference", "insert-gather-before-sce-loss", "build-training-graph", "fix-dropout-seed", "recompute",
+    ]
+    assert passes["recompute"]["modified"] and passes["recompute"]["nodes_after"] > passes["recompute"]["nodes_before"]
+    ort = result["ort"]
+    # ORT's analysis finds plans on the same training graph (the one before recompute).
+    assert ort["plans"] and ort["analysis_seconds"] > 0
+    assert ort["ort_graph_nodes"] >= result["training_nodes"]
