@@ -27,6 +27,13 @@ Rules (ORT's memory optimizer, ``recompute_analysis.cc``, restated; differences 
 - *Savings* (better than ORT): the sum over every stashed output of the entry (ORT counts
   only the last one), minus what the plan newly keeps alive (compromise cut values, small
   static boundary inputs).  A candidate that saves nothing is reported as skipped.
+- *Values nobody reads* (not in ORT): ORT 1.19.2 never frees a value that no node reads
+  until the step ends.  A stashed output counts as freed only if, once backward reads
+  its clone, the forward node stops producing it (it is optional and the recompute pass
+  drops it, or the node is left with no reader and removed); a clone's output that
+  neither backward nor another clone reads, and that is not optional, is charged
+  against the saving (a Dropout recomputed for its mask alone frees 1 byte an element
+  and computes 4 for nobody: skipped).
 - *Compromise* (type 2): the growth stops at a Cast that widens (its input has fewer bytes
   per element than its output); the narrower input is kept instead.  Unlike ORT, a
   type-2 plan is also offered where the full (type 1) subgraph fails.
@@ -605,7 +612,8 @@ class _Analysis:
             sizes = [self.nbytes(v) for v in unread]
             if None in sizes:
                 name = unread[sizes.index(None)].name
-                charged.append(SkippedCandidate(occ.entry, f"the size of {name!r}, which its clone would compute for nobody, is unknown"))
+                reason = f"the size of {name!r}, which its clone would compute for nobody, is unknown"
+                charged.append(SkippedCandidate(occ.entry, reason))
                 continue
             saving = occ.symbolic_saving - sympy.Add(*sizes)  # type: ignore[arg-type]
             if unread and saving.is_nonpositive:
@@ -748,9 +756,11 @@ def find_recompute_candidates(
             skipped.append(SkippedCandidate(entry, full))  # type: ignore[arg-type]
         found += occurrences
     records: dict[tuple[str, PlanType], PlanRecord] = {}
+    skipped_entries = {s.entry for s in skipped}
     for occ in analysis.charge_unread_clone_outputs(found):
         if isinstance(occ, SkippedCandidate):
-            if not any(s.entry is occ.entry for s in skipped):
+            if occ.entry not in skipped_entries:  # its full and compromise plans: one reason
+                skipped_entries.add(occ.entry)
                 skipped.append(occ)
             continue
         key = (occ.cluster, occ.type)
