@@ -493,3 +493,22 @@ def test_timeline_before_and_after(tmp_path):
     path = report.plot(tmp_path / "timeline.png")
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    "domain, op, opset, expected",
+    [
+        ("", "Dropout", 13, [False, True]),  # the mask
+        ("", "LayerNormalization", 17, [False, True, True]),  # Mean, InvStdDev
+        ("com.microsoft", "BitmaskDropout", 1, [False, True]),
+        ("", "BatchNormalization", 15, [False, False, False]),  # its outputs select training mode
+        ("", "Split", 13, [False, False]),  # variadic: none is optional
+        ("com.microsoft", "FusedMatMul", 1, [False]),  # unknown contrib schema: not optional
+    ],
+)
+def test_which_outputs_are_optional(domain, op, opset, expected):
+    from ortpass.analysis.recomputable_ops import is_optional_output
+
+    node = ir.Node(domain, op, [], num_outputs=len(expected))
+    opsets = {"": opset, "com.microsoft": 1}
+    assert [is_optional_output(node, i, opsets) for i in range(len(expected))] == expected
