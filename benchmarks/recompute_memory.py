@@ -59,6 +59,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 VOCAB, HIDDEN, HEADS, SEQ, BATCH, DROPOUT = 2048, 256, 4, 512, 8, 0.1
+MIN_ELEMENTS = None  # the recompute passes' default floor (ORT's 1Mi elements)
+if os.environ.get("ORTPASS_BENCH_TINY") == "1":  # the test suite's smoke run: seconds, not minutes
+    VOCAB, HIDDEN, SEQ, BATCH, MIN_ELEMENTS = 64, 32, 16, 2, 0
 ORT_DISABLED_OPTIMIZERS = ["CommonSubexpressionElimination", "SkipLayerNormFusion", "GeluFusion", "GemmTransposeFusion"]
 MIB = 1024 * 1024
 
@@ -152,7 +155,7 @@ def child_prepare(work: Path, layers: int) -> dict:
     info = {"nodes": {"ort": len(training.graph)}, "applied": {}}
     for level in (1, 2):
         manager = ortpass.PassManager(
-            [RecomputePass(level=level), FixDropoutSeedPass(level=level)], assume=["training-graph"]
+            [RecomputePass(level=level, min_elements=MIN_ELEMENTS), FixDropoutSeedPass(level=level, min_elements=MIN_ELEMENTS)], assume=["training-graph"]
         )
         result = manager(training)
         ir.save(result.model, work / f"ort_l{level}.onnx")

@@ -36,3 +36,15 @@ def test_scaling_times_ortpass_and_ort_on_the_smallest_decoder():
     # ORT's analysis finds plans on the same training graph (the one before recompute).
     assert ort["plans"] and ort["analysis_seconds"] > 0
     assert ort["ort_graph_nodes"] >= result["training_nodes"]
+
+
+@pytest.mark.slow
+def test_recompute_memory_measures_every_configuration_on_a_tiny_decoder(monkeypatch):
+    monkeypatch.setenv("ORTPASS_BENCH_TINY", "1")  # read by the script and by its children
+    recompute_memory = _load("recompute_memory")
+    results = recompute_memory.run([2], steps=1)
+    configs = results["layers"]["2"]["configs"]
+    assert list(configs) == [key for key, _, _ in recompute_memory.CONFIGS]
+    assert all(c["step_seconds"] > 0 and c["step_peak_mib"] >= 0 for c in configs.values())
+    assert configs["ort_l1"]["ort_recompute_nodes"] > 0 and configs["ort"]["ort_recompute_nodes"] == 0
+    assert recompute_memory.markdown(results).count("| ortpass recompute level 1 |") == 1
