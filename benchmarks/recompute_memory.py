@@ -154,8 +154,9 @@ def child_prepare(work: Path, layers: int) -> dict:
     _save_ort_module_graph(training, work)
     info = {"nodes": {"ort": len(training.graph)}, "applied": {}}
     for level in (1, 2):
+        options = {"level": level, "min_elements": MIN_ELEMENTS}
         manager = ortpass.PassManager(
-            [RecomputePass(level=level, min_elements=MIN_ELEMENTS), FixDropoutSeedPass(level=level, min_elements=MIN_ELEMENTS)], assume=["training-graph"]
+            [RecomputePass(**options), FixDropoutSeedPass(**options)], assume=["training-graph"]
         )
         result = manager(training)
         ir.save(result.model, work / f"ort_l{level}.onnx")
