@@ -40,6 +40,7 @@ from typing import Any, Callable, Iterable, Iterator, NoReturn, Sequence
 import onnx
 import onnx_ir as ir
 
+from ortpass.analysis.cache import AnalysisCache
 from ortpass.errors import ModelLoadError, OrtpassError, PassFailedError, PassOrderingError, PipelineSpecError
 from ortpass.passes.base import CREATED_BY_KEY, PassDeclarations
 from ortpass.registry import get_pass
@@ -485,9 +486,12 @@ class PassManager(ir.passes.FunctionalPass):
         checked = self._check_input(model) if self.check else None
         self._notify("run_begin", self.passes, model)
         current = model
+        cache = AnalysisCache()
         try:
             for position, pass_ in enumerate(self.passes, start=1):
-                current, checked = self._run_pass(position, pass_, current, report, checked, owned=current is not model)
+                current, checked = self._run_pass(
+                    position, pass_, current, report, checked, cache, owned=current is not model
+                )
         finally:
             self._notify("run_end", current, report)
         if current is model:  # nothing replaced the input; a functional pass returns a new model
@@ -509,6 +513,7 @@ class PassManager(ir.passes.FunctionalPass):
         model: ir.Model,
         report: PassReport,
         checked: onnx.ModelProto | None,
+        cache: AnalysisCache,
         *,
         owned: bool,
     ) -> tuple[ir.Model, onnx.ModelProto | None]:
@@ -533,13 +538,15 @@ class PassManager(ir.passes.FunctionalPass):
         record.nodes_before = len(before)
         start = time.perf_counter()
         try:
-            result = pass_(work)
+            result = self._call_with_cache(pass_, work, cache)
         except Exception as exc:
             record.seconds = time.perf_counter() - start
             self._fail(pass_, record, rollback(), report, _describe(exc), exc)
         record.seconds = time.perf_counter() - start
         record.stats = _stats_of(pass_)
         self._record_changes(record, result, before)
+        if not self._unchanged(record):
+            cache.keep_only(getattr(pass_, "preserves_analyses", ()))
         if self._unchanged(record) and checked is not None:
             proto = checked  # nothing to check: the serialization of its input still holds
         else:
@@ -563,6 +570,17 @@ class PassManager(ir.passes.FunctionalPass):
             logger.warning(
                 "pass %r reported modified=False but added %s and removed %s", record.name, record.added, record.removed
             )
+
+    @staticmethod
+    def _call_with_cache(pass_: ir.passes.PassBase, model: ir.Model, cache: AnalysisCache) -> ir.passes.PassResult:
+        """Run ``pass_``, lending an ortpass pass the run's analysis cache meanwhile."""
+        if not isinstance(pass_, PassDeclarations):
+            return pass_(model)
+        pass_.analysis_cache = cache
+        try:
+            return pass_(model)
+        finally:
+            pass_.analysis_cache = None
 
     @staticmethod
     def _unchanged(record: PassRecord) -> bool:

@@ -476,3 +476,48 @@ def test_table_cells_list_the_commonest_op_types_and_count_the_rest():
     counts = {f"Op{i}": i for i in range(1, 10)}  # 9 types, 45 nodes
     assert _format_counts(counts, "+") == "Op9+9 Op8+8 Op7+7 Op6+6 Op5+5 Op4+4 (+3 types, +6)"
     assert _format_counts({}, "-") == "-"
+
+
+# -- the analysis cache ---------------------------------------------------------------------
+
+
+class CountsRelus(OrtPass):
+    """Reads an 'relu-count' analysis through the run's cache; changes nothing."""
+
+    name = "counts-relus"
+    computed = 0
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        def compute():
+            type(self).computed += 1
+            return sum(n.op_type == "Relu" for n in model.graph)
+
+        cache = self.analysis_cache
+        count = compute() if cache is None else cache.get(("relu-count",), model, compute)
+        self.count("relus", count)
+        return ir.passes.PassResult(model, False)
+
+
+class PreservingIdentityPass(InsertIdentityPass):
+    name = "insert-identity-preserving"
+    preserves_analyses = frozenset({"relu-count"})  # an Identity is not a Relu
+
+
+@pytest.mark.parametrize(
+    "between, computed",
+    [
+        (NoOpPass(), 1),  # changes nothing: the analysis stays valid
+        (PreservingIdentityPass(), 1),  # changes the model but declares the analysis valid
+        (InsertIdentityPass(), 2),  # changes the model: the analysis is computed again
+    ],
+    ids=["unchanged", "preserved", "invalidated"],
+)
+def test_a_cached_analysis_lives_until_a_pass_changes_the_model(relu_model, between, computed):
+    CountsRelus.computed = 0
+    first, second = CountsRelus(), CountsRelus()
+    second.name = "counts-relus-again"
+    PassManager([first, between, second])(relu_model)
+    assert CountsRelus.computed == computed
+    assert first.analysis_cache is None  # lent for the call only
+    CountsRelus()(relu_model)  # alone: no cache, computed
+    assert CountsRelus.computed == computed + 1

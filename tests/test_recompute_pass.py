@@ -487,3 +487,19 @@ def test_recompute_pass_is_registered_post_grad():
 
     assert get_pass("recompute") is RecomputePass and RecomputePass.phase == "post-grad"
     assert get_pass("fix-dropout-seed") is FixDropoutSeedPass
+
+
+def test_recompute_reuses_the_analysis_fix_dropout_seed_ran(decoder_graph, monkeypatch):
+    import ortpass.passes.recompute as recompute_module
+
+    calls = []
+    real = recompute_module.find_recompute_candidates
+    monkeypatch.setattr(recompute_module, "find_recompute_candidates", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    result = ortpass.PassManager(
+        [RecomputePass(level=1, min_elements=0), FixDropoutSeedPass(level=1, min_elements=0)], assume=["training-graph"]
+    )(decoder_graph)
+    assert len(calls) == 1
+    assert result.report["recompute"].stats["counts"]["analysis reused"] == 1
+    # Alone, each pass analyses the graph itself.
+    FixDropoutSeedPass(level=1, min_elements=0)(ir.from_proto(ir.to_proto(decoder_graph)))
+    assert len(calls) == 2

@@ -15,6 +15,10 @@ passes without relying on list position:
     ``requires(model)``, which passes may still override to check a model.)
 ``runs_before`` / ``runs_after``
     Names of other passes this one must precede or follow when both are in a set.
+``preserves_analyses``
+    Names of cached analyses (:mod:`ortpass.analysis.cache`) that stay valid after this
+    pass changed the model; the manager drops the others.  Inside a manager run a pass
+    finds the run's cache in :attr:`OrtPass.analysis_cache` (None when run alone).
 
 Most passes rewrite in place (:class:`OrtPass`); a pass that builds a new model, like the
 gradient build, derives from :class:`OrtFunctionalPass`.
@@ -29,6 +33,8 @@ import collections
 from typing import Any, ClassVar, Literal
 
 import onnx_ir as ir
+
+from ortpass.analysis.cache import AnalysisCache
 
 __all__ = ["OrtPass", "OrtFunctionalPass", "PassDeclarations", "Phase", "PHASES", "CREATED_BY_KEY"]
 
@@ -51,6 +57,9 @@ class PassDeclarations:
     provides_properties: ClassVar[frozenset[str]] = frozenset()
     runs_before: ClassVar[frozenset[str]] = frozenset()
     runs_after: ClassVar[frozenset[str]] = frozenset()
+    preserves_analyses: ClassVar[frozenset[str]] = frozenset()
+    #: The running manager's analysis cache, set by the manager for the duration of a call.
+    analysis_cache: AnalysisCache | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -63,7 +72,7 @@ class PassDeclarations:
                     f"({hook!r} is onnx_ir's precondition hook or would shadow one)"
                 )
         # Accept any iterable in subclass declarations; store frozensets.
-        for attr in DECLARATIONS:
+        for attr in (*DECLARATIONS, "preserves_analyses"):
             value = getattr(cls, attr)
             if isinstance(value, str):
                 raise TypeError(f"{cls.__name__}.{attr} must be a collection of names, not a str")

@@ -20,7 +20,7 @@ import onnx_ir as ir
 from ortpass.analysis.plans import PlanSpec
 from ortpass.analysis.recomputable_ops import ProbeLevel
 from ortpass.passes.base import OrtPass
-from ortpass.passes.recompute import RecomputeSelection, is_dropout
+from ortpass.passes.recompute import ANALYSIS, RecomputeSelection, is_dropout
 from ortpass.registry import register_pass
 
 __all__ = ["FixDropoutSeedPass", "dropout_seed"]
@@ -59,6 +59,8 @@ class FixDropoutSeedPass(OrtPass):
     phase = "post-grad"
     provides_properties = frozenset({"dropout-seeds-fixed"})
     runs_before = frozenset({"recompute"})
+    # Seeds are attributes the recompute analysis does not read: RecomputePass reuses it.
+    preserves_analyses = frozenset({ANALYSIS})
 
     def __init__(
         self,
@@ -82,7 +84,7 @@ class FixDropoutSeedPass(OrtPass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         if self.selection.empty:
             return ir.passes.PassResult(model, modified=False)
-        _, _, occurrences = self.selection.select(model)
+        _, _, occurrences = self.selection.select(model, self.analysis_cache)
         dropouts = {id(n): n for occ in occurrences for n in occ.nodes if is_dropout(n)}
         modified = False
         for node in dropouts.values():

@@ -83,6 +83,7 @@ from typing import Iterable, Sequence
 
 import onnx_ir as ir
 
+from ortpass.analysis.cache import AnalysisCache
 from ortpass.analysis.partition import SIDE_KEY, get_partition, tag
 from ortpass.analysis.plans import PlanSpec, PlanType, load_plan_file, parse_plans
 from ortpass.analysis.recomputable_ops import MS_DOMAIN, ProbeLevel, is_optional_output
@@ -93,6 +94,7 @@ from ortpass.passes.base import CREATED_BY_KEY, OrtPass
 from ortpass.registry import register_pass
 
 __all__ = [
+    "ANALYSIS",
     "AppliedPlan",
     "DROPOUT_OPS",
     "LEVELS",
@@ -105,6 +107,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+#: The name of the recompute analysis in a pass manager's analysis cache.
+ANALYSIS = "recompute-candidates"
 RECOMPUTE_SUFFIX = "_recompute"
 #: Node metadata on a clone: the name of the node it recomputes.
 RECOMPUTE_OF_KEY = "pkg.ortpass.recompute_of"
@@ -172,6 +176,7 @@ class RecomputeSelection:
                 f"only with level=0 (got {', '.join(map(str, given))})"
             )
         self.plans: list[PlanSpec] = given
+        self.reused = False
         self.level = level
         self.probe_level = probe_level
         self.min_elements = min_elements
@@ -181,12 +186,23 @@ class RecomputeSelection:
         """True when these options can select nothing in any graph."""
         return self.level == 0 and not any(p.type != PlanType.NONE for p in self.plans)
 
-    def select(self, model: ir.Model) -> tuple[RecomputeReport, list[PlanSpec], list[Occurrence]]:
-        """Analyse ``model`` (read only); the plans in force and the occurrences they select."""
+    def select(
+        self, model: ir.Model, cache: AnalysisCache | None = None
+    ) -> tuple[RecomputeReport, list[PlanSpec], list[Occurrence]]:
+        """Analyse ``model`` (read only); the plans in force and the occurrences they select.
+
+        With a ``cache`` (a pass manager's), an analysis of the same model object with the
+        same options is reused (``ANALYSIS``); :attr:`reused` says whether it was.
+        """
         limits = {} if self.min_elements is None else {"min_elements": self.min_elements}
-        report = find_recompute_candidates(
-            model, probe_level=self.probe_level, layer_boundary=self.level > 0, **limits
-        )
+        key = (ANALYSIS, self.probe_level, self.level > 0, self.min_elements)
+
+        def analyse() -> RecomputeReport:
+            self.reused = False
+            return find_recompute_candidates(model, probe_level=self.probe_level, layer_boundary=self.level > 0, **limits)
+
+        self.reused = True
+        report = analyse() if cache is None else cache.get(key, model, analyse)
         if self.level == 0:
             specs = self.plans
         else:
@@ -249,7 +265,9 @@ class RecomputePass(OrtPass):
         self.applied = []
         if self.selection.empty:
             return ir.passes.PassResult(model, modified=False)
-        report, specs, occurrences = self.selection.select(model)
+        report, specs, occurrences = self.selection.select(model, self.analysis_cache)
+        if self.selection.reused:
+            self.count("analysis reused")
         nodes = _nodes_to_clone(model, occurrences)
         _check_dropouts_seeded(nodes)
         recompute_pythonop.check_pythonops(nodes)
