@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import ast
 import collections
+import contextlib
 import dataclasses
+import gc
 import heapq
 import inspect
 import json
@@ -358,6 +360,26 @@ class ManagerResult(ir.passes.PassResult):
 # ---------------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _cyclic_gc_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector for a run, then restore it as it was.
+
+    An IR graph is many small objects in reference cycles (nodes and their values), so
+    each full collection walks every one of them, and passes that allocate trigger such
+    collections over and over.  The default pipeline on a 192-layer decoder (17.5k
+    training nodes) took 12.9-16.8 s over four runs with the collector on and 11.4-13.9 s
+    with it paused, most of it in the gradient build.  Garbage without cycles is still
+    freed at once; cycles wait until the run ends.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def _all_nodes(model: ir.Model) -> Iterator[ir.Node]:
     yield from model.graph.all_nodes()
     for function in model.functions.values():
@@ -477,6 +499,10 @@ class PassManager(ir.passes.FunctionalPass):
         return f"PassManager([{', '.join(_pass_name(p) for p in self.passes)}])"
 
     def call(self, model: ir.Model) -> ManagerResult:
+        with _cyclic_gc_paused():
+            return self._run(model)
+
+    def _run(self, model: ir.Model) -> ManagerResult:
         report = PassReport()
         self.report = report
         # The serialized form of the model each pass is given, kept when checking anyway:

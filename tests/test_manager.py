@@ -3,6 +3,7 @@ dumps and instruments.  The passes are defined here, small and hand-written."""
 
 from __future__ import annotations
 
+import gc
 import itertools
 import json
 import logging
@@ -521,3 +522,27 @@ def test_a_cached_analysis_lives_until_a_pass_changes_the_model(relu_model, betw
     assert first.analysis_cache is None  # lent for the call only
     CountsRelus()(relu_model)  # alone: no cache, computed
     assert CountsRelus.computed == computed + 1
+
+
+class RecordsGcState(NoOpPass):
+    name = "records-gc-state"
+    seen: list[bool] = []
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        type(self).seen.append(gc.isenabled())
+        return super().call(model)
+
+
+@pytest.mark.parametrize("enabled_before", [True, False])
+def test_the_cyclic_gc_is_paused_during_a_run_and_restored(relu_model, enabled_before):
+    RecordsGcState.seen = []
+    (gc.enable if enabled_before else gc.disable)()
+    try:
+        PassManager([RecordsGcState()])(relu_model)
+        assert RecordsGcState.seen == [False]
+        assert gc.isenabled() == enabled_before
+        with pytest.raises(PassFailedError):
+            PassManager([RaisesHalfwayPass()])(relu_model)
+        assert gc.isenabled() == enabled_before
+    finally:
+        gc.enable()
