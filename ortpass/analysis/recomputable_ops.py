@@ -211,7 +211,9 @@ def is_optional_output(node: ir.Node, index: int, opset_imports: Mapping[str, in
     """True when the schema of ``node`` marks output ``index`` optional: a Dropout's mask,
     LayerNormalization's Mean and InvStdDev.  Default-domain schemas come from onnx;
     com.microsoft ones from a short table (the dropout variants).  The recompute pass drops
-    an optional output nobody reads, and its analysis counts on that.
+    an optional output nobody reads, and its analysis counts on that.  (onnx_ir's
+    ``RemoveUnusedNodesPass`` applies the same schema rule, but privately and for the
+    default domain only, and the analysis must ask before anything is removed.)
     """
     domain = _normalize_domain(node.domain)
     if domain == MS_DOMAIN:

@@ -176,7 +176,6 @@ class RecomputeSelection:
                 f"only with level=0 (got {', '.join(map(str, given))})"
             )
         self.plans: list[PlanSpec] = given
-        self.reused = False
         self.level = level
         self.probe_level = probe_level
         self.min_elements = min_elements
@@ -192,16 +191,14 @@ class RecomputeSelection:
         """Analyse ``model`` (read only); the plans in force and the occurrences they select.
 
         With a ``cache`` (a pass manager's), an analysis of the same model object with the
-        same options is reused (``ANALYSIS``); :attr:`reused` says whether it was.
+        same options is reused (``ANALYSIS``).
         """
         limits = {} if self.min_elements is None else {"min_elements": self.min_elements}
         key = (ANALYSIS, self.probe_level, self.level > 0, self.min_elements)
 
         def analyse() -> RecomputeReport:
-            self.reused = False
             return find_recompute_candidates(model, probe_level=self.probe_level, layer_boundary=self.level > 0, **limits)
 
-        self.reused = True
         report = analyse() if cache is None else cache.get(key, model, analyse)
         if self.level == 0:
             specs = self.plans
@@ -265,8 +262,10 @@ class RecomputePass(OrtPass):
         self.applied = []
         if self.selection.empty:
             return ir.passes.PassResult(model, modified=False)
-        report, specs, occurrences = self.selection.select(model, self.analysis_cache)
-        if self.selection.reused:
+        cache = self.analysis_cache
+        hits = cache.hits if cache is not None else 0
+        report, specs, occurrences = self.selection.select(model, cache)
+        if cache is not None and cache.hits > hits:
             self.count("analysis reused")
         nodes = _nodes_to_clone(model, occurrences)
         _check_dropouts_seeded(nodes)
