@@ -19,7 +19,7 @@ import numpy as np
 import onnx_ir as ir
 import torch
 
-from ortpass.runtime.session import StepResult, TrainingSession, dropout_mask_names
+from ortpass.runtime.session import StepResult, TrainingSession, with_dropout_masks
 
 __all__ = ["ParityResult", "check_parity", "relative_error", "replay_dropout_masks", "torch_step"]
 
@@ -115,8 +115,8 @@ def check_parity(
     if the model was exported before the module changed.  ``batch`` overrides the feeds
     built from ``input_names``/``args`` (for graphs whose inputs were renamed).
     """
-    masks = dropout_mask_names(training_model)
-    session = TrainingSession(training_model, providers, extra_outputs=masks)
+    with_masks, masks = with_dropout_masks(training_model)
+    session = TrainingSession(with_masks, providers, extra_outputs=masks)
     state = {name: p.detach() for name, p in module.named_parameters()}
     params = {name: state[name] for name in session.info.params}
     feeds = dict(batch) if batch is not None else dict(zip(input_names, args))

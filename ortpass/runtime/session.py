@@ -37,10 +37,9 @@ import onnx_ir as ir
 
 from ortpass.analysis.partition import SIDE_KEY, get_training_info
 from ortpass.errors import OrtpassError
-from ortpass.passes.recompute import RECOMPUTE_OF_KEY
 from ortpass.training.build import clamp_for_ort
 
-__all__ = ["StepResult", "TrainingSession", "dropout_mask_names", "DISABLED_ORT_OPTIMIZERS"]
+__all__ = ["StepResult", "TrainingSession", "dropout_mask_names", "with_dropout_masks", "DISABLED_ORT_OPTIMIZERS"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +65,7 @@ class TrainingSession:
             CPU fallback), which needs the ``onnxruntime-training`` CUDA build; or an
             explicit ORT provider list.
         extra_outputs: names of intermediate values to fetch on every step (e.g. the
-            Dropout masks from :func:`dropout_mask_names`, for parity checks).
+            Dropout masks from :func:`with_dropout_masks`, for parity checks).
         optimized_model_path: where ORT should write the graph it actually runs, to check
             that rewrites survived its optimizers.
     """
@@ -164,21 +163,55 @@ class TrainingSession:
 def dropout_mask_names(model: ir.Model) -> list[str]:
     """Mask outputs of the forward Dropout nodes, in graph (= call) order.
 
-    Where recompute dropped a forward Dropout's mask (backward reads its clone's, which
-    draws the same), the clone's mask stands for it.
+    Passes drop the masks nobody reads (``recompute``, ``replay-dropout-mask``): for those
+    models, :func:`with_dropout_masks` gives a copy that has them back.
     """
-    clones = {n.metadata_props[RECOMPUTE_OF_KEY]: n for n in model.graph if RECOMPUTE_OF_KEY in n.metadata_props}
     names = []
-    for node in model.graph:
-        if node.op_type != "Dropout" or node.domain not in ("", "ai.onnx"):
-            continue
-        if node.metadata_props.get(SIDE_KEY, "forward") != "forward":
-            continue
-        source = node if len(node.outputs) > 1 and node.outputs[1].name else clones.get(node.name)
-        if source is None or len(source.outputs) < 2:
-            raise OrtpassError(f"Dropout {node.name!r} has no mask output, and no recompute clone has one")
-        names.append(source.outputs[1].name)
+    for node in _forward_dropouts(model):
+        if len(node.outputs) < 2 or not node.outputs[1].name:
+            raise OrtpassError(
+                f"Dropout {node.name!r} has no mask output (a pass dropped it); use with_dropout_masks(model)"
+            )
+        names.append(node.outputs[1].name)
     return names
+
+
+def with_dropout_masks(model: ir.Model) -> tuple[ir.Model, list[str]]:
+    """A copy of ``model`` in which every forward Dropout outputs its mask, and the masks'
+    names in call order: for parity checks, which replay ORT's masks in torch.
+
+    A forward Dropout draws the same mask whether or not it outputs it (the kernel builds
+    the mask to apply it), and its recompute clones and replays draw that same mask again.
+    """
+    copy = model.clone()
+    taken = {v.name for n in copy.graph for v in n.outputs} | {v.name for v in copy.graph.inputs}
+    for node in _forward_dropouts(copy):
+        if len(node.outputs) >= 2 and node.outputs[1].name:
+            continue
+        node.resize_outputs(2)
+        mask = node.outputs[1]
+        mask.name = _fresh_name(f"{node.outputs[0].name or node.name}_mask", taken)
+        mask.type, mask.shape = ir.TensorType(ir.DataType.BOOL), node.outputs[0].shape
+        taken.add(mask.name)
+    return copy, dropout_mask_names(copy)
+
+
+def _forward_dropouts(model: ir.Model) -> list[ir.Node]:
+    return [
+        node
+        for node in model.graph
+        if node.op_type == "Dropout"
+        and node.domain in ("", "ai.onnx")
+        and node.metadata_props.get(SIDE_KEY, "forward") == "forward"
+    ]
+
+
+def _fresh_name(name: str, taken: set[str]) -> str:
+    candidate, suffix = name, 0
+    while candidate in taken:
+        suffix += 1
+        candidate = f"{name}_{suffix}"
+    return candidate
 
 
 def _expose_values(proto: onnx.ModelProto, names: Sequence[str]) -> None:
