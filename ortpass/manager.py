@@ -442,6 +442,176 @@ def _describe(exc: BaseException) -> str:
     return text
 
 
+# ---------------------------------------------------------------------------------------
+# Checks
+# ---------------------------------------------------------------------------------------
+
+#: The ``check`` modes of :class:`PassManager` (``True`` means ``"full"``, ``False`` ``"none"``).
+CHECK_MODES = ("full", "incremental", "none")
+
+_SUBGRAPH_ATTRIBUTES = (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS)
+
+
+def _check_mode(check: bool | str) -> str:
+    if check is True:
+        return "full"
+    if check is False:
+        return "none"
+    if check in CHECK_MODES:
+        return check  # type: ignore[return-value]
+    raise ValueError(f"check must be True, False or one of {CHECK_MODES}, not {check!r}")
+
+
+def _full_check(model: ir.Model) -> onnx.ModelProto:
+    """Serialize ``model`` and run the onnx checker on it; return the serialization."""
+    proto = ir.to_proto(model)
+    onnx.checker.check_model(proto)
+    return proto
+
+
+def _fingerprint(node: ir.Node) -> tuple:
+    """What ``onnx.checker.check_node`` reads of ``node`` once serialized: op, domain,
+    overload, input and output names, and the attributes (by identity: ``ir.Attr`` is
+    immutable, so a changed attribute is a new object)."""
+    return (
+        node.op_type,
+        node.domain,
+        node.overload,
+        tuple(None if v is None else v.name for v in node.inputs),
+        tuple(v.name for v in node.outputs),
+        tuple(map(id, node.attributes.values())),
+    )
+
+
+@dataclasses.dataclass
+class _CheckedState:
+    """What an incremental check accepted, to tell later which nodes changed since."""
+
+    ir_version: int
+    opsets: dict[str, int]
+    nodes: dict[ir.Node, tuple]
+    tensors: dict[str, Any]  # initializer name -> the tensor object that was checked
+    # The attributes whose ids are in the fingerprints, kept alive so no new attribute
+    # can be given the id of a checked one.
+    attributes: list[tuple[ir.Attr, ...]]
+
+    @classmethod
+    def of(cls, model: ir.Model) -> _CheckedState:
+        nodes = {}
+        attributes = []
+        for node in model.graph:
+            nodes[node] = _fingerprint(node)
+            attributes.append(tuple(node.attributes.values()))
+        tensors = {name: value.const_value for name, value in model.graph.initializers.items()}
+        return cls(model.ir_version, dict(model.opset_imports), nodes, tensors, attributes)
+
+
+#: What a check accepted: the serialized model (full), the state of an incremental
+#: check, or None (no check).
+_Checked = onnx.ModelProto | _CheckedState | None
+
+
+def _incremental_check(model: ir.Model, previous: _CheckedState | None) -> _CheckedState:
+    """Raise ``onnx.checker.ValidationError`` where ``onnx.checker.check_model`` would
+    reject ``model``, looking again only at what changed since ``previous`` was accepted
+    (everything when ``previous`` is None).
+
+    Checked on the IR, without serializing the model: the checker's rules on names over
+    the whole graph (see :func:`_check_names`), ``check_value_info`` on the graph inputs
+    and outputs, ``check_tensor`` on initializers that are new, and ``check_node`` on
+    nodes that are new or whose op, domain, overload, attributes, or input or output
+    names changed.  ``check_node`` reads nothing else of a node but the model's IR
+    version and opset imports, so a node it accepted is still accepted while those stay
+    the same.  Falls back to :func:`_full_check` when the IR version or the opset imports
+    changed, the model has functions, a checked node holds a subgraph (its check needs
+    the enclosing scope, which onnx's Python API does not take), or the IR version is 3
+    or older (initializers must then be graph inputs).
+    """
+    state = _CheckedState.of(model)
+    changed = [n for n, fp in state.nodes.items() if previous is None or previous.nodes.get(n) != fp]
+    if _needs_full_check(model, state, previous, changed):
+        _full_check(model)
+        return state
+    ctx = onnx.checker.C.CheckerContext()
+    ctx.ir_version = model.ir_version
+    ctx.opset_imports = state.opsets
+    _check_names(model.graph)
+    for value in (*model.graph.inputs, *model.graph.outputs):
+        onnx.checker.check_value_info(ir.serde.serialize_value(value), ctx)
+    for name, tensor in state.tensors.items():
+        if tensor is not None and (previous is None or previous.tensors.get(name) is not tensor):
+            onnx.checker.check_tensor(ir.serde.serialize_tensor(tensor), ctx)
+    for node in changed:
+        _check_node(node, ctx)
+    return state
+
+
+def _needs_full_check(
+    model: ir.Model, state: _CheckedState, previous: _CheckedState | None, changed: list[ir.Node]
+) -> bool:
+    if model.functions or model.ir_version <= 3:
+        return True
+    if previous is not None and (state.ir_version != previous.ir_version or state.opsets != previous.opsets):
+        return True
+    return any(attr.type in _SUBGRAPH_ATTRIBUTES for node in changed for attr in node.attributes.values())
+
+
+def _check_node(node: ir.Node, ctx: Any) -> None:
+    try:
+        proto = ir.serde.serialize_node(node)
+        onnx.checker.C.check_node(proto.SerializeToString(), ctx, onnx.checker.LEXICAL_SCOPE_CONTEXT)
+    except Exception as exc:
+        raise onnx.checker.ValidationError(
+            f"Bad node spec for node. Name: {node.name} OpType: {node.op_type}: {exc}"
+        ) from exc
+
+
+def _check_names(graph: ir.Graph) -> None:
+    """onnx.checker's rules on value names (``check_graph`` in onnx's checker.cc), on the
+    IR: graph input names are unique, every non-empty input name of a node is a graph
+    input, an initializer or an output of an earlier node (topological order), every
+    non-empty output name is new (single static assignment), every graph output is
+    defined.  Written here because onnx checks names only on a serialized graph, which
+    is what this check avoids building; onnx_ir has no such check.  A value without a
+    name cannot be serialized at all, so it is refused too.
+    """
+    defined: set[str] = set()
+    for value in graph.inputs:
+        if _serialized_name(value) in defined:
+            raise onnx.checker.ValidationError(
+                f"Graph must be in single static assignment (SSA) form, however '{value.name}' "
+                "has been used as graph input names multiple times."
+            )
+        defined.add(value.name)  # type: ignore[arg-type]
+    defined.update(graph.initializers)
+    for node in graph:
+        for value in node.inputs:
+            if value is not None and _serialized_name(value) and value.name not in defined:
+                raise onnx.checker.ValidationError(
+                    f"Nodes in a graph must be topologically sorted, however input '{value.name}' of node: "
+                    f"name: {node.name} OpType: {node.op_type} is not output of any previous nodes."
+                )
+        for value in node.outputs:
+            name = _serialized_name(value)
+            if not name:
+                continue
+            if name in defined:
+                raise onnx.checker.ValidationError(
+                    f"Graph must be in single static assignment (SSA) form, however '{name}' "
+                    "has been used as output names multiple times."
+                )
+            defined.add(name)
+    for value in graph.outputs:
+        if _serialized_name(value) not in defined:
+            raise onnx.checker.ValidationError(f"Graph output '{value.name}' is not an output of any node in graph.")
+
+
+def _serialized_name(value: ir.Value) -> str:
+    if value.name is None:
+        raise onnx.checker.ValidationError(f"a value has no name, so the model cannot be serialized: {value!r}")
+    return value.name
+
+
 class PassManager(ir.passes.FunctionalPass):
     """Runs a set of passes in the order their declarations demand, checking after each.
 
@@ -449,14 +619,37 @@ class PassManager(ir.passes.FunctionalPass):
         passes: pass instances, in any order (see the module docstring for the rules).
         assume: properties the input model already has (e.g. ``["training-graph"]`` to run
             post-grad passes on a model that is already a training graph).
-        check: after every pass, serialize with ``ir.to_proto`` and run
-            ``onnx.checker.check_model`` (the input model is checked first, so a bad input
-            is not blamed on the first pass).  A pass that reports ``modified=False`` and
-            adds or removes no node is trusted and not checked again.  The checker validates graph structure
-            (topological order, single assignment, every input defined, opset imports
-            present) and ai.onnx schemas; it has no schemas for ``com.microsoft`` ops and
-            lets them through unchecked.  The pass's own ``ensures`` postconditions run
-            through onnx_ir's ``PassBase.__call__``.
+        check: how the model is checked, first the input (so a bad input is not blamed on
+            the first pass), then after every pass.  A pass that reports ``modified=False``
+            and adds or removes no node is trusted and not checked again.  The modes:
+
+            ``"full"`` (or ``True``, the default): serialize with ``ir.to_proto`` and run
+            ``onnx.checker.check_model``.  The checker validates graph structure
+            (topological order, single assignment, every input defined, every graph
+            output defined, opset imports present), every node against its schema
+            (ai.onnx and ai.onnx.ml; it has no schemas for ``com.microsoft`` ops and lets
+            them through), initializers and the graph inputs' and outputs' types.  The
+            serialization is also the rollback point, so in-place passes after the first
+            rewrite the manager's own copy.
+
+            ``"incremental"``: the same rules, on the IR, without serializing the model:
+            the structural rules over the whole graph, ``check_value_info`` on the graph
+            inputs and outputs, and ``check_node`` / ``check_tensor`` only on the nodes and
+            initializers that are new or changed (a node's op, domain, attributes, or
+            input or output names) since the last check; every in-place pass works on a
+            clone, the rollback point.  It falls back to the full check when the IR
+            version or opset imports change, the model has functions, or a changed node
+            holds a subgraph.  What it does not see: a change made inside an existing
+            attribute or initializer tensor (its data mutated in place), and a value
+            type or shape that ``ir.to_proto`` could not write (the full mode fails on
+            it while serializing; the checker itself does not read value types).  About half the cost of ``"full"`` on large graphs (see
+            ``benchmarks/scaling.md``).
+
+            ``"none"`` (or ``False``): no check; in-place passes still work on a clone,
+            so the input is never changed and a pass that raises is still rolled back.
+
+            The pass's own ``ensures`` postconditions run through onnx_ir's
+            ``PassBase.__call__`` in every mode.
         dump_dir: if given, write ``NN_<pass>.onnx`` after each pass that changed the
             model (NN = its 2-digit position), and ``NN_<pass>.failed-input.onnx`` with the
             input of a pass that failed, to reproduce the failure with that pass alone.
@@ -477,7 +670,7 @@ class PassManager(ir.passes.FunctionalPass):
         passes: Iterable[ir.passes.PassBase],
         *,
         assume: Iterable[str] = (),
-        check: bool = True,
+        check: bool | str = True,
         dump_dir: str | os.PathLike | None = None,
         instruments: Iterable[Any] = (),
     ) -> None:
@@ -491,6 +684,7 @@ class PassManager(ir.passes.FunctionalPass):
         self.assume = frozenset(assume)
         self.passes: list[ir.passes.PassBase] = order_passes(given, assume=self.assume)
         self.check = check
+        self._check_mode = _check_mode(check)
         self.dump_dir = Path(dump_dir) if dump_dir is not None else None
         self.instruments = tuple(instruments)
         self.report: PassReport | None = None
@@ -505,11 +699,11 @@ class PassManager(ir.passes.FunctionalPass):
     def _run(self, model: ir.Model) -> ManagerResult:
         report = PassReport()
         self.report = report
-        # The serialized form of the model each pass is given, kept when checking anyway:
-        # it is the rollback point, so in-place passes can work on the manager's own copy
-        # instead of a fresh clone each (on a 6k-node training graph a clone costs about
-        # as much as the recompute analysis).
-        checked = self._check_input(model) if self.check else None
+        # What the latest check accepted (see _Checked).  In the full mode it is the
+        # serialized form of the model each pass is given: the rollback point, so
+        # in-place passes can work on the manager's own copy instead of a fresh clone each
+        # (on a 6k-node training graph a clone costs about as much as the recompute analysis).
+        checked = self._check_input(model)
         self._notify("run_begin", self.passes, model)
         current = model
         cache = AnalysisCache()
@@ -524,13 +718,19 @@ class PassManager(ir.passes.FunctionalPass):
             current = model.clone()
         return ManagerResult(current, report.modified, report)
 
-    def _check_input(self, model: ir.Model) -> onnx.ModelProto:
+    def _check(self, model: ir.Model, previous: _Checked) -> _Checked:
+        """Check ``model`` in this manager's mode; ``previous``: what the check before accepted."""
+        if self._check_mode == "full":
+            return _full_check(model)
+        if self._check_mode == "incremental":
+            return _incremental_check(model, previous if isinstance(previous, _CheckedState) else None)
+        return None
+
+    def _check_input(self, model: ir.Model) -> _Checked:
         try:
-            proto = ir.to_proto(model)
-            onnx.checker.check_model(proto)
+            return self._check(model, None)
         except Exception as exc:
             raise ModelLoadError(f"the input model fails the onnx checker before any pass ran: {_describe(exc)}") from exc
-        return proto
 
     def _run_pass(
         self,
@@ -538,28 +738,19 @@ class PassManager(ir.passes.FunctionalPass):
         pass_: ir.passes.PassBase,
         model: ir.Model,
         report: PassReport,
-        checked: onnx.ModelProto | None,
+        checked: _Checked,
         cache: AnalysisCache,
         *,
         owned: bool,
-    ) -> tuple[ir.Model, onnx.ModelProto | None]:
-        """Run one pass; return the model after it and its checked serialization.
+    ) -> tuple[ir.Model, _Checked]:
+        """Run one pass; return the model after it and what its check accepted.
 
-        ``owned``: ``model`` is the manager's own (not the caller's).  ``checked``: ``model``
-        serialized, when the checks made it.  An in-place pass must not change the caller's
-        model, and a failed one must leave the model as it was: it works on a clone unless
-        the model is the manager's own and ``checked`` can restore it.
+        ``owned``: ``model`` is the manager's own (not the caller's).  ``checked``: what
+        the check of ``model`` accepted (its serialization in the full mode).
         """
         record = PassRecord(position, _pass_name(pass_))
         self._notify("before_pass", pass_, model)
-        in_place = pass_.changes_input and owned and checked is not None
-        work = model.clone() if pass_.changes_input and not in_place else model
-
-        def rollback() -> ir.Model:
-            # In place, `model` may be half rewritten: rebuild it from its serialization.
-            # Otherwise it is untouched (the pass had a clone, or returns a new model).
-            return ir.from_proto(checked) if in_place else model
-
+        work, rollback, checked = self._prepare(pass_, model, checked, owned=owned)
         before = list(_all_nodes(work))  # the objects, kept alive for the identity diff
         record.nodes_before = len(before)
         start = time.perf_counter()
@@ -574,14 +765,38 @@ class PassManager(ir.passes.FunctionalPass):
         if not self._unchanged(record):
             cache.keep_only(getattr(pass_, "preserves_analyses", ()))
         if self._unchanged(record) and checked is not None:
-            proto = checked  # nothing to check: the serialization of its input still holds
+            accepted = checked  # nothing to check: what held for its input still holds
         else:
-            proto = self._check_output(pass_, record, rollback, report, result.model)
+            accepted = self._check_output(pass_, record, rollback, report, result.model, checked)
         if record.modified and self.dump_dir is not None:
-            record.dump_path = self._dump(proto or ir.to_proto(result.model), f"{position:02d}_{record.name}.onnx")
+            proto = accepted if isinstance(accepted, onnx.ModelProto) else ir.to_proto(result.model)
+            record.dump_path = self._dump(proto, f"{position:02d}_{record.name}.onnx")
         report.records.append(record)
         self._notify("after_pass", pass_, result.model, record)
-        return result.model, proto
+        return result.model, accepted
+
+    @staticmethod
+    def _prepare(
+        pass_: ir.passes.PassBase, model: ir.Model, checked: _Checked, *, owned: bool
+    ) -> tuple[ir.Model, Callable[[], ir.Model], _Checked]:
+        """The model ``pass_`` works on, how to get back ``model`` as it is now should the
+        pass fail, and what the check accepted of the model the pass works on.
+
+        The caller's model is never changed: an in-place pass given it works on a clone
+        (as checked as its original).  An in-place pass given the manager's own model
+        rewrites it in place, so that analyses cached for it stay usable; the rollback
+        point is then the serialization the full check made, or else a clone.
+        """
+        if not pass_.changes_input:
+            return model, lambda: model, checked  # a functional pass leaves its input alone
+        if not owned:
+            work = model.clone()
+            rebased = _CheckedState.of(work) if isinstance(checked, _CheckedState) else checked
+            return work, lambda: model, rebased
+        if isinstance(checked, onnx.ModelProto):
+            return model, lambda: ir.from_proto(checked), checked
+        snapshot = model.clone()
+        return model, lambda: snapshot, checked
 
     def _record_changes(self, record: PassRecord, result: ir.passes.PassResult, before: list[ir.Node]) -> None:
         after = list(_all_nodes(result.model))
@@ -621,19 +836,19 @@ class PassManager(ir.passes.FunctionalPass):
         rollback: Callable[[], ir.Model],
         report: PassReport,
         out: ir.Model,
-    ) -> onnx.ModelProto | None:
-        if not self.check:
+        previous: _Checked,
+    ) -> _Checked:
+        if self._check_mode == "none":
             return None
         start = time.perf_counter()
         try:
-            proto = ir.to_proto(out)
-            onnx.checker.check_model(proto)
+            accepted = self._check(out, previous)
         except Exception as exc:
             record.check_seconds = time.perf_counter() - start
             reason = f"the model fails the onnx checker after this pass: {_describe(exc)}"
             self._fail(pass_, record, rollback(), report, reason, exc)
         record.check_seconds = time.perf_counter() - start
-        return proto
+        return accepted
 
     def _fail(
         self, pass_: ir.passes.PassBase, record: PassRecord, model: ir.Model, report: PassReport, reason: str, exc: Exception

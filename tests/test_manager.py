@@ -306,9 +306,12 @@ class SnapshotBeforeEachPass:
     ],
     ids=["raises", "checker-fails", "postcondition-fails"],
 )
-def test_a_failing_pass_gives_back_the_model_before_it(relu_model, failing, reason):
+@pytest.mark.parametrize("check", ["full", "incremental", "none"])
+def test_a_failing_pass_gives_back_the_model_before_it(relu_model, failing, reason, check):
+    if check == "none" and isinstance(failing, ReadsUndefinedValuePass):
+        pytest.skip("without checks nothing refuses the model")
     snapshots = SnapshotBeforeEachPass()
-    manager = PassManager([InsertIdentityPass(), failing, NoOpPass()], instruments=[snapshots])
+    manager = PassManager([InsertIdentityPass(), failing, NoOpPass()], instruments=[snapshots], check=check)
     with pytest.raises(PassFailedError, match=reason) as info:
         manager(relu_model)
     error = info.value
@@ -323,10 +326,93 @@ def test_a_failing_pass_gives_back_the_model_before_it(relu_model, failing, reas
     assert [(r.name, r.failed) for r in error.report.records] == [("insert-identity", False), (failing.name, True)]
 
 
-def test_an_invalid_input_is_refused_before_blaming_a_pass(relu_model):
+@pytest.mark.parametrize("check", ["full", "incremental"])
+def test_an_invalid_input_is_refused_before_blaming_a_pass(relu_model, check):
     relu_model.graph.append(ir.node("Relu", [ir.Value(name="dangling")]))
     with pytest.raises(ModelLoadError, match="before any pass ran"):
-        PassManager([NoOpPass()])(relu_model)
+        PassManager([NoOpPass()], check=check)(relu_model)
+
+
+# -- the incremental check ------------------------------------------------------------------
+
+
+class _BreaksModel(OrtPass):
+    """Breaks the model in one way; ``how`` names it."""
+
+    name = "breaks-model"
+
+    def __init__(self, how: str):
+        self.how = how
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph = model.graph
+        relu = graph.node(0)
+        if self.how == "duplicate-output-name":
+            graph.append(ir.node("Neg", [graph.inputs[0]], outputs=[ir.Value(name=relu.outputs[0].name)]))
+        elif self.how == "unknown-attribute-on-an-old-node":
+            relu.attributes["bogus"] = ir.AttrInt64("bogus", 1)
+        elif self.how == "unknown-op":
+            graph.append(ir.node("NoSuchOp", [graph.inputs[0]]))
+        elif self.how == "wrong-input-count":
+            graph.append(ir.node("Add", [graph.inputs[0]]))
+        elif self.how == "out-of-order":
+            neg = ir.node("Neg", [relu.outputs[0]])
+            graph.insert_before(relu, neg)
+        elif self.how == "undefined-graph-output":
+            graph.outputs.append(ir.Value(name="nobody_makes_me", type=ir.TensorType(ir.DataType.FLOAT)))
+        elif self.how == "unimported-domain":
+            graph.append(ir.node("Gelu", [graph.inputs[0]], domain="com.microsoft"))
+        elif self.how == "opset-too-old":  # changes the opset imports: a full check
+            model.opset_imports[""] = 1
+            graph.append(ir.node("Gelu", [graph.inputs[0]]))
+        elif self.how == "unnamed-value":
+            graph.append(ir.node("Neg", [graph.inputs[0]]))
+            graph.node(1).outputs[0].name = None
+        return ir.passes.PassResult(model, True)
+
+
+BREAKAGES = [
+    "duplicate-output-name", "unknown-attribute-on-an-old-node", "unknown-op", "wrong-input-count", "out-of-order",
+    "undefined-graph-output", "unimported-domain", "opset-too-old", "unnamed-value",
+]
+
+
+@pytest.mark.parametrize("how", BREAKAGES)
+@pytest.mark.parametrize("check", ["full", "incremental"])
+def test_both_check_modes_refuse_what_the_onnx_checker_refuses(relu_model, how, check):
+    before = ir.to_proto(relu_model).SerializeToString()
+    with pytest.raises(PassFailedError, match="fails the onnx checker after this pass") as info:
+        PassManager([InsertIdentityPass(), _BreaksModel(how)], check=check)(relu_model)
+    assert op_types(info.value.model) == ["Identity", "Relu"]
+    assert ir.to_proto(relu_model).SerializeToString() == before
+
+
+def test_the_incremental_check_gives_the_same_model_as_the_full_one(relu_model):
+    full = run_three(relu_model, check="full")
+    incremental = run_three(relu_model, check="incremental")
+    assert ir.to_proto(incremental.model).SerializeToString() == ir.to_proto(full.model).SerializeToString()
+    assert [r.name for r in incremental.report.records] == [r.name for r in full.report.records]
+
+
+def test_the_incremental_check_looks_again_only_at_new_and_changed_nodes(relu_model, monkeypatch):
+    checked_ops = []
+    real_check_node = onnx.checker.C.check_node
+
+    def check_node(data, *args):
+        checked_ops.append(onnx.NodeProto.FromString(data).op_type)
+        return real_check_node(data, *args)
+
+    monkeypatch.setattr(onnx.checker.C, "check_node", check_node)
+    PassManager([InsertIdentityPass(), InsertIdentityPass()], check="incremental")(relu_model)
+    # The input's Relu; the first Identity and the Relu now reading it; the second
+    # Identity and the first one, now reading it.  The Relu, which the second pass left
+    # alone, is not checked again.
+    assert checked_ops == ["Relu", "Identity", "Relu", "Identity", "Identity"]
+
+
+def test_an_unknown_check_mode_is_refused():
+    with pytest.raises(ValueError, match="check must be"):
+        PassManager([NoOpPass()], check="quick")
 
 
 def test_the_manager_nests_inside_an_onnx_ir_pass_manager(relu_model):
