@@ -47,4 +47,5 @@ def test_recompute_memory_measures_every_configuration_on_a_tiny_decoder(monkeyp
     assert list(configs) == [key for key, _, _ in recompute_memory.CONFIGS]
     assert all(c["step_seconds"] > 0 and c["step_peak_mib"] >= 0 for c in configs.values())
     assert configs["ort_l1"]["ort_recompute_nodes"] > 0 and configs["ort"]["ort_recompute_nodes"] == 0
+    assert configs["ort_l1_full"]["ort_recompute_nodes"] > 0
     assert recompute_memory.markdown(results).count("| ortpass recompute level 1 |") == 1
