@@ -1,11 +1,15 @@
-"""Golden model: a 3-layer GPT/BLOOM-like decoder with dropout, recomputed layer-wise."""
+"""Golden model: a 3-layer GPT/BLOOM-like decoder with dropout, recomputed layer-wise, the masks
+forward keeps replayed and backward joins ordered for memory."""
 
 import torch
 
 from ortpass.golden import GoldenCase
 from ortpass.testing.models import GPTDecoder
 
-PIPELINE = "insert-gather-before-sce-loss,build-training-graph,fix-dropout-seed(level=1),recompute(level=1)"
+PIPELINE = (
+    "insert-gather-before-sce-loss,build-training-graph,fix-dropout-seed(level=1),recompute(level=1),"
+    "replay-dropout-mask,order-backward-joins"
+)
 
 
 def case() -> GoldenCase:

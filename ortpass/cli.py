@@ -35,12 +35,13 @@ __all__ = ["DEFAULT_PIPELINE", "main"]
 logger = logging.getLogger(__name__)
 
 #: What ``ortpass optimize`` runs without ``--pipeline``: every built-in pass (the manager
-#: orders them from their declarations), recompute at ORTModule's layer-wise level 1, and
-#: the label gather above the vocabulary projection (faster on CPU at every flagged
-#: density; benchmarks/sce_gather.py).
+#: orders them from their declarations), recompute at ORTModule's layer-wise level 1 with
+#: the masks forward would still keep replayed and backward joins ordered for memory
+#: (benchmarks/recompute_memory.py), and the label gather above the vocabulary projection
+#: (faster on CPU at every flagged density; benchmarks/sce_gather.py).
 DEFAULT_PIPELINE = (
     "pythonop-shape-inference,insert-gather-before-sce-loss(move_above_projection=True),build-training-graph,"
-    "fix-dropout-seed(level=1),recompute(level=1)"
+    "fix-dropout-seed(level=1),recompute(level=1),replay-dropout-mask,order-backward-joins"
 )
 
 
