@@ -12,9 +12,10 @@ import onnx_ir as ir
 import pytest
 
 import ortpass
-from ortpass.analysis.partition import TrainingInfo, set_training_info, tag
+from ortpass.analysis.partition import TrainingInfo
 from ortpass.passes import FixDropoutSeedPass, RecomputePass
 from ortpass.passes.fix_dropout_seed import dropout_seed
+from ortpass.testing.graphs import as_training_graph
 
 F = onnx.TensorProto.FLOAT
 SHAPE = [4, 8]
@@ -59,11 +60,7 @@ def dropout_graph(dropout_domain: str = "", dropout_op: str = "Dropout") -> ir.M
     )
     opsets = [oh.make_opsetid("", 13)] + ([oh.make_opsetid(dropout_domain, 1)] if dropout_domain else [])
     proto = oh.make_model(graph, opset_imports=opsets, ir_version=8)
-    model = ir.from_proto(proto)
-    for (side, _), node in zip(nodes, model.graph):
-        tag(node, side)
-    set_training_info(model, TrainingInfo("loss", ("w",), {"w": "w_grad"}))
-    return model
+    return as_training_graph(proto, [side for side, _ in nodes], TrainingInfo("loss", ("w",), {"w": "w_grad"}))
 
 
 def _node(model: ir.Model, name: str) -> ir.Node:

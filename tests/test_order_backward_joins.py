@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ortpass
-from ortpass.analysis.partition import TrainingInfo, set_training_info, tag
+from ortpass.analysis.partition import TrainingInfo
 from ortpass.export import export
 from ortpass.passes import (
     FixDropoutSeedPass,
@@ -20,6 +20,7 @@ from ortpass.passes import (
     ReplayDropoutMaskPass,
 )
 from ortpass.runtime import TrainingSession
+from ortpass.testing.graphs import as_training_graph
 from ortpass.testing.models import GPTDecoder
 from ortpass.testing.profiling import ort_execution_order
 from ortpass.training import build_training_graph
@@ -55,11 +56,8 @@ def join_graph(*, big_read_later: bool = False, known_size: bool = True) -> ir.M
         value_info=[oh.make_tensor_value_info(v, F, shape) for v in ("big", "y", "ga")]
         + [oh.make_tensor_value_info(v, F, SHAPE) for v in ("g", "gb")],
     )
-    model = ir.from_proto(oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)], ir_version=8))
-    for (side, _), node in zip(nodes, model.graph):
-        tag(node, side)
-    set_training_info(model, TrainingInfo("loss", ("w",), {"w": "w_grad"}))
-    return model
+    proto = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)], ir_version=8)
+    return as_training_graph(proto, [side for side, _ in nodes], TrainingInfo("loss", ("w",), {"w": "w_grad"}))
 
 
 def _order(model: ir.Model) -> list[str]:

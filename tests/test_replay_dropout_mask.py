@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ortpass
-from ortpass.analysis.partition import SIDE_KEY, TrainingInfo, set_training_info, tag
+from ortpass.analysis.partition import SIDE_KEY, TrainingInfo, tag
 from ortpass.errors import OrtpassError
 from ortpass.export import export
 from ortpass.passes import FixDropoutSeedPass, RecomputePass, ReplayDropoutMaskPass
@@ -19,6 +19,7 @@ from ortpass.passes.fix_dropout_seed import dropout_seed
 from ortpass.passes.replay_dropout_mask import REPLAY_OF_KEY
 from ortpass.runtime import TrainingSession, dropout_mask_names, with_dropout_masks
 from ortpass.runtime.parity import check_parity
+from ortpass.testing.graphs import as_training_graph
 from ortpass.testing.models import GPTDecoder
 from ortpass.training import build_training_graph
 
@@ -57,11 +58,8 @@ def dropout_training_graph(*, seed: int | None = None, grad_ratio: str = "ratio"
         + ([] if mask_is_output else [oh.make_tensor_value_info("m", onnx.TensorProto.BOOL, SHAPE)]),
     )
     opsets = [oh.make_opsetid("", 17), oh.make_opsetid("com.microsoft", 1)]
-    model = ir.from_proto(oh.make_model(graph, opset_imports=opsets, ir_version=8))
-    for (side, _), node in zip(nodes, model.graph):
-        tag(node, side)
-    set_training_info(model, TrainingInfo("loss", ("w",), {"w": "w_grad"}))
-    return model
+    proto = oh.make_model(graph, opset_imports=opsets, ir_version=8)
+    return as_training_graph(proto, [side for side, _ in nodes], TrainingInfo("loss", ("w",), {"w": "w_grad"}))
 
 
 def _node(model: ir.Model, name: str) -> ir.Node:

@@ -20,6 +20,9 @@ the same recipe then draw the same masks, whatever a pass did to the graph, so t
 losses can be compared.  The Dropout ratios are initializers named ``ratio_<n>``
 (:data:`RATIO_PREFIX`), so a test can turn every Dropout into the identity.
 
+:func:`as_training_graph` turns a hand-built forward+backward graph into what the gradient
+build would have given (sides tagged, training info recorded), for tests of post-grad passes.
+
 This module has no dependency on hypothesis or torch.
 """
 
@@ -34,7 +37,10 @@ import onnx
 import onnx.helper as oh
 import onnx_ir as ir
 
+from ortpass.analysis.partition import TrainingInfo, set_training_info, tag
+
 __all__ = [
+    "as_training_graph",
     "IGNORE_INDEX",
     "RATIO_PREFIX",
     "LossRecipe",
@@ -273,6 +279,19 @@ def build_model(recipe: GraphRecipe) -> ir.Model:
     proto = oh.make_model(graph, opset_imports=opsets, ir_version=IR_VERSION)
     proto = onnx.shape_inference.infer_shapes(proto)
     return ir.from_proto(proto)
+
+
+def as_training_graph(proto: onnx.ModelProto, sides: Sequence[str], info: TrainingInfo) -> ir.Model:
+    """``proto`` as a training graph: node ``i`` tagged ``sides[i]`` (``"forward"`` or
+    ``"backward"``) and ``info`` (loss, parameters, gradient outputs) recorded."""
+    model = ir.from_proto(proto)
+    nodes = list(model.graph)
+    if len(nodes) != len(sides):
+        raise ValueError(f"{len(sides)} sides for {len(nodes)} nodes")
+    for node, side in zip(nodes, sides):
+        tag(node, side)
+    set_training_info(model, info)
+    return model
 
 
 def params_of(model: ir.Model) -> list[str]:
