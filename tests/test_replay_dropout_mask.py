@@ -255,3 +255,13 @@ def test_after_recompute_level_1_only_the_masks_forward_keeps_are_replayed(decod
     # Every remaining DropoutGrad reads a mask a clone draws in backward.
     for grad in (n for n in model.graph if n.op_type == "DropoutGrad"):
         assert grad.inputs[1].producer().metadata_props[SIDE_KEY] == "backward"
+
+
+def test_sessions_over_replayed_graphs_disable_the_cuda_dropout_fusions():
+    # On CUDA, BiasDropoutFusion would make the forward Dropout another kernel than the replay.
+    from ortpass.runtime.session import REPLAY_DISABLED_ORT_OPTIMIZERS, disabled_optimizers
+
+    model = dropout_training_graph()
+    assert not set(REPLAY_DISABLED_ORT_OPTIMIZERS) & set(disabled_optimizers(model))
+    ReplayDropoutMaskPass()(model)
+    assert set(REPLAY_DISABLED_ORT_OPTIMIZERS) <= set(disabled_optimizers(model))

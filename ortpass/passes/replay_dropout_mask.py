@@ -24,7 +24,10 @@ probabilities' masks are 8 MiB per layer there).
 
 Where the forward Dropout is not the one drawing the mask (BiasDropout,
 BitmaskDropout: other kernels that may map random numbers to elements differently) the
-rewrite is not made.
+rewrite is not made.  For the same reason ``TrainingSession`` disables ORT's CUDA fusions
+that would turn the forward Dropout into such a kernel after the rewrite
+(``REPLAY_DISABLED_ORT_OPTIMIZERS``).  Only ORT's CPU kernels were checked here: no GPU was
+available.
 """
 
 from __future__ import annotations

@@ -37,14 +37,29 @@ import onnx_ir as ir
 
 from ortpass.analysis.partition import SIDE_KEY, get_training_info
 from ortpass.errors import OrtpassError
+from ortpass.passes.replay_dropout_mask import REPLAY_OF_KEY
 from ortpass.training.build import clamp_for_ort
 
-__all__ = ["StepResult", "TrainingSession", "dropout_mask_names", "with_dropout_masks", "DISABLED_ORT_OPTIMIZERS"]
+__all__ = [
+    "DISABLED_ORT_OPTIMIZERS",
+    "REPLAY_DISABLED_ORT_OPTIMIZERS",
+    "StepResult",
+    "TrainingSession",
+    "disabled_optimizers",
+    "dropout_mask_names",
+    "with_dropout_masks",
+]
 
 logger = logging.getLogger(__name__)
 
 #: ORT graph transformers that undo or break ortpass's rewrites (see the module docstring).
 DISABLED_ORT_OPTIMIZERS = ("CommonSubexpressionElimination", "SkipLayerNormFusion", "GeluFusion", "GemmTransposeFusion")
+#: Also disabled on graphs where replay-dropout-mask replaced a DropoutGrad.  These CUDA/ROCm
+#: fusions turn a forward Dropout into BiasDropout or BiasSoftmaxDropout, another kernel that
+#: need not map the seed's random numbers to elements as the replaying Dropout does, so
+#: the replay could draw another mask.  No effect on CPU (they are not CPU fusions); not
+#: verified on a GPU here.
+REPLAY_DISABLED_ORT_OPTIMIZERS = ("BiasDropoutFusion", "BiasSoftmaxDropoutFusion")
 
 
 @dataclasses.dataclass
@@ -105,7 +120,7 @@ class TrainingSession:
                 proto.SerializeToString(),
                 options,
                 providers=self.providers,
-                disabled_optimizers=list(DISABLED_ORT_OPTIMIZERS),
+                disabled_optimizers=disabled_optimizers(model),
             )
         except Exception as exc:
             raise OrtpassError(f"ONNX Runtime could not load the training graph: {exc}") from exc
@@ -158,6 +173,14 @@ class TrainingSession:
             gradients=dict(zip(self.info.gradients, values[1 : 1 + n_grads])),
             extras=dict(zip(self.extra_outputs, values[1 + n_grads :])),
         )
+
+
+def disabled_optimizers(model: ir.Model) -> list[str]:
+    """The ORT graph transformers a session over ``model`` must not run."""
+    names = list(DISABLED_ORT_OPTIMIZERS)
+    if any(REPLAY_OF_KEY in node.metadata_props for node in model.graph):
+        names += REPLAY_DISABLED_ORT_OPTIMIZERS
+    return names
 
 
 def dropout_mask_names(model: ir.Model) -> list[str]:

@@ -24,7 +24,7 @@ def ort_execution_order(model: ir.Model, feeds: Mapping[str, np.ndarray], profil
     (ORT's default order, the same disabled optimizers)."""
     import onnxruntime as ort
 
-    from ortpass.runtime.session import DISABLED_ORT_OPTIMIZERS
+    from ortpass.runtime.session import disabled_optimizers
 
     options = ort.SessionOptions()
     options.log_severity_level = 3
@@ -34,7 +34,7 @@ def ort_execution_order(model: ir.Model, feeds: Mapping[str, np.ndarray], profil
         ir.to_proto(model).SerializeToString(),
         options,
         providers=["CPUExecutionProvider"],
-        disabled_optimizers=list(DISABLED_ORT_OPTIMIZERS),
+        disabled_optimizers=disabled_optimizers(model),
     )
     session.run(None, dict(feeds))
     with open(session.end_profiling(), encoding="utf-8") as f:
