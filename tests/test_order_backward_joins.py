@@ -159,3 +159,28 @@ def test_decoder_steps_are_bitwise_the_same_on_ort(decoder_graph):
         assert have.loss == want.loss
         for name, grad in want.gradients.items():
             np.testing.assert_array_equal(have.gradients[name], grad, err_msg=name)
+
+
+def _moves_one_by_one(nodes: list, moves: list) -> list:
+    """What the pass did before batching its graph edits: each chain, outer joins first,
+    removed and put back before its join."""
+    order = list(nodes)
+    for join, chain in reversed(moves):
+        order = [n for n in order if n not in chain]
+        at = order.index(join)
+        order[at:at] = chain
+    return order
+
+
+@pytest.mark.parametrize(
+    "moves",
+    [
+        [("j1", ["b", "c"]), ("j2", ["e"])],  # two joins side by side
+        [("j1", ["a", "b"]), ("j2", ["b", "d", "a", "j1"])],  # j1 and its chain inside j2's chain
+    ],
+)
+def test_moves_land_as_one_move_per_join_would(moves):
+    from ortpass.passes.order_backward_joins import _moved_order
+
+    nodes = ["a", "b", "c", "x", "j1", "d", "e", "y", "j2", "z"]
+    assert _moved_order(nodes, moves) == _moves_one_by_one(nodes, moves)

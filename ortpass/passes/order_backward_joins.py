@@ -149,19 +149,19 @@ class OrderBackwardJoinsPass(OrtPass):
             chain = self._chain_to_run_first(join, position, sizes)
             if chain:
                 moves.append((join, chain))
-        # Joins inside another join's chain come before it: moving the outer chain first
-        # (it keeps its own order) and the inner one after leaves both as wanted.
-        for join, chain in reversed(moves):
-            graph.remove(chain)
-            graph.insert_before(join, chain)
+        for join, chain in moves:
             self.count("joins reordered")
             self.count("nodes moved", len(chain))
             logger.debug("%s: runs first the chain ending in %s", join.name, chain[-1].name)
+        if moves:
+            _reorder(graph, moves)
         return ir.passes.PassResult(model, modified=bool(moves))
 
     def _chain_to_run_first(self, join: ir.Node, position: dict[ir.Node, int], sizes: _Sizes) -> list[ir.Node] | None:
         """The chain to move before ``join``, or None when ORT already walks the best one first."""
         values = {v for v in join.inputs if v is not None and _is_backward(v.producer())}
+        if len(values) < 2:
+            return None  # one chain at most: 11.7k of the 16.5k backward nodes at 17.5k nodes
         chains = [chain for v in values if (chain := exclusive_chain(v, join, position))]
         if len(chains) < 2 or len({id(n) for c in chains for n in c}) < sum(map(len, chains)):
             return None  # one chain, or chains sharing a node (it feeds the join twice)
@@ -176,3 +176,40 @@ class OrderBackwardJoinsPass(OrtPass):
         if freed[ranked[0]] <= runner_up or position[best[-1]] == walked_first:
             return None  # no chain frees the most, or ORT walks it first already
         return best
+
+
+def _reorder(graph: ir.Graph, moves: list[tuple[ir.Node, list[ir.Node]]]) -> None:
+    """Move each chain to just before its join, with one ``Graph.remove`` in all (it copies
+    the graph's outputs on every call: one per join took 0.2 s of 0.3 at 17.5k nodes)."""
+    order = _moved_order(list(graph), moves)
+    moved = {node for _, chain in moves for node in chain}
+    graph.remove(moved)
+    run: list[ir.Node] = []  # moved nodes waiting for the next node that stays
+    for node in order:
+        if node in moved:
+            run.append(node)
+        elif run:
+            graph.insert_before(node, run)
+            run = []
+    graph.extend(run)
+
+
+def _moved_order(nodes: list[ir.Node], moves: list[tuple[ir.Node, list[ir.Node]]]) -> list[ir.Node]:
+    """``nodes`` with each chain moved before its join, on a linked list.  Joins inside
+    another join's chain come before it: moving the outer chain first (it keeps its own
+    order) and the inner one after leaves both as wanted."""
+    head, tail = object(), object()  # sentinels around the nodes
+    after = dict(zip([head, *nodes], [*nodes, tail]))
+    before = dict(zip([*nodes, tail], [head, *nodes]))
+    for join, chain in reversed(moves):
+        for node in chain:
+            after[before[node]], before[after[node]] = after[node], before[node]
+        for node in chain:
+            prev = before[join]
+            after[prev], before[node], after[node], before[join] = node, prev, join, node
+    order = []
+    node = after[head]
+    while node is not tail:
+        order.append(node)
+        node = after[node]
+    return order
