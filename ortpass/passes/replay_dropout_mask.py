@@ -109,6 +109,8 @@ class ReplayDropoutMaskPass(OrtPass):
         ]
         for grad, dropout in pairs:
             self._replay(graph, grad, self._seed_of(dropout))
+        # One removal for all: Graph.remove copies the graph's outputs on every call.
+        graph.remove([grad for grad, _ in pairs], safe=True)
         for dropout in {id(d): d for _, d in pairs}.values():
             self._drop_unread_mask(dropout)
         return ir.passes.PassResult(model, modified=bool(pairs))
@@ -137,8 +139,12 @@ class ReplayDropoutMaskPass(OrtPass):
         )
         tag(replay, grad.metadata_props.get(SIDE_KEY, "backward"))
         replay.metadata_props[REPLAY_OF_KEY] = forward.name or ""
-        # Takes over the gradient's name, type, shape and readers (graph outputs included).
-        ir.convenience.replace_nodes_and_values(graph, grad, [grad], [replay], grad.outputs[:1], replay.outputs)
+        # Takes over the gradient's name, type, shape and readers (graph outputs included);
+        # the caller removes the gradient.
+        gradient, replayed = grad.outputs[0], replay.outputs[0]
+        replayed.name, replayed.type, replayed.shape = gradient.name, gradient.type, gradient.shape
+        ir.convenience.replace_all_uses_with(gradient, replayed, replace_graph_outputs=True)
+        graph.insert_after(grad, replay)
         self.count("gradients replayed")
         logger.debug("replayed %s with %s (seed %d)", grad.name, replay.name, seed)
 
