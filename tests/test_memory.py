@@ -27,6 +27,16 @@ def test_bytes_over_dim_params():
     assert symbolic_nbytes(_value([4, 3], ir.DataType.INT4)) == 6  # half a byte each
 
 
+
+def test_static_sizes_are_the_numbers_sympy_arithmetic_gives():
+    # The all-static fast path must not change a report: same value, same sympy type.
+    for dtype in (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BOOL, ir.DataType.INT4):
+        for shape in ([3, 5], [7], [], [0, 4]):
+            size = symbolic_nbytes(_value(shape, dtype))
+            product = sympy.Mul(*map(sympy.Integer, shape)) * sympy.Rational(dtype.bitwidth, 8)
+            assert sympy.srepr(size) == sympy.srepr(product)
+            assert evaluate(size, None) == int(sympy.ceiling(product))
+
 def test_expression_dim_params_and_unknown_dims():
     s0, s1 = dim_symbol("s0"), dim_symbol("s1")
     assert symbolic_nbytes(_value(["s0*s1", 2])) == 8 * s0 * s1

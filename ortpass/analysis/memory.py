@@ -95,6 +95,9 @@ def symbolic_numel(value: ir.Value) -> sympy.Expr | None:
 
 def symbolic_nbytes(value: ir.Value) -> sympy.Expr | None:
     """Bytes held by ``value`` as an expression, or None when its dtype or rank is unknown."""
+    static = _static_nbytes(value)
+    if static is not None:
+        return static
     numel = symbolic_numel(value)
     dtype = value.dtype
     if numel is None or dtype is None or dtype == ir.DataType.UNDEFINED:
@@ -102,6 +105,17 @@ def symbolic_nbytes(value: ir.Value) -> sympy.Expr | None:
     if not isinstance(value.type, ir.TensorType):
         return None
     return numel * element_bytes(dtype)
+
+
+def _static_nbytes(value: ir.Value) -> sympy.Rational | None:
+    """:func:`symbolic_nbytes` of an all-static tensor, as one number: the same value and
+    type as the product of sympy Integers, at a fraction of the cost (sympy size arithmetic
+    was 0.23 s of the recompute analysis at 17.5k static nodes)."""
+    numel = static_numel(value)
+    dtype = value.dtype
+    if numel is None or dtype is None or dtype == ir.DataType.UNDEFINED or not isinstance(value.type, ir.TensorType):
+        return None
+    return sympy.Rational(numel * dtype.bitwidth, 8)
 
 
 def static_numel(value: ir.Value) -> int | None:
@@ -115,6 +129,8 @@ def evaluate(expr: sympy.Expr | None, dims: Mapping[str, int] | None) -> int | N
     """``expr`` at ``dims`` (dim param name -> int), or None if a symbol stays unbound."""
     if expr is None:
         return None
+    if isinstance(expr, sympy.Rational):  # a number (every static size): no symbols to bind
+        return -(-expr.p // expr.q)
     bindings = {s: int(dims[s.name]) for s in expr.free_symbols if dims and s.name in dims}
     result = expr.xreplace(bindings) if bindings else expr
     if result.free_symbols:
@@ -126,6 +142,8 @@ def graph_dim_params(values: Iterable[ir.Value]) -> set[str]:
     """Names of the symbols the sizes of ``values`` depend on."""
     names: set[str] = set()
     for value in values:
+        if static_numel(value) is not None:
+            continue  # no symbols: skip building an expression
         expr = symbolic_nbytes(value)
         if expr is not None:
             names.update(s.name for s in expr.free_symbols)

@@ -629,8 +629,22 @@ class _Analysis:
             charged.append(occ)
         return charged
 
-    def occurrence(self, entry: ir.Node, outputs: list[ir.Value], plan_type: PlanType) -> Occurrence | str:
-        growth = self.grow(outputs, compromise=plan_type == PlanType.RECOMPUTE_WITH_COMPROMISE)
+    def occurrences(self, entry: ir.Node, outputs: list[ir.Value]) -> tuple[Occurrence | str, Occurrence | str]:
+        """The full (type-1) and compromise (type-2) occurrences of a candidate; a string
+        says why there is none."""
+        full = self.grow(outputs, compromise=False)
+        if isinstance(full, _Growth) and not any(_widening_cast(n) for n in full.nodes):
+            # The compromise growth would take the same steps and find no Cast to stop at;
+            # skipping it halves the growth time (most subgraphs have no Cast).
+            compromise: _Growth | str = "no widening Cast to stop at"
+        else:
+            compromise = self.grow(outputs, compromise=True)
+        return (
+            self.occurrence(entry, outputs, PlanType.RECOMPUTE, full),
+            self.occurrence(entry, outputs, PlanType.RECOMPUTE_WITH_COMPROMISE, compromise),
+        )
+
+    def occurrence(self, entry: ir.Node, outputs: list[ir.Value], plan_type: PlanType, growth: _Growth | str) -> Occurrence | str:
         if isinstance(growth, str):
             return growth
         if plan_type == PlanType.RECOMPUTE_WITH_COMPROMISE and not growth.compromised:
@@ -666,7 +680,7 @@ def _is_constant(node: ir.Node) -> bool:
     return node.op_type == "Constant" and node.domain in ("", "ai.onnx")
 
 
-def _resolve_dims(model: ir.Model, dims: Mapping[str, int] | None, stashed: Sequence[ir.Value]) -> tuple[dict | None, str]:
+def _resolve_dims(model: ir.Model, dims: Mapping[str, int] | None, symbols: set[str]) -> tuple[dict | None, str]:
     if dims is not None:
         bad = {k: v for k, v in dims.items() if not isinstance(k, str) or not isinstance(v, int) or v <= 0}
         if bad:
@@ -675,16 +689,16 @@ def _resolve_dims(model: ir.Model, dims: Mapping[str, int] | None, stashed: Sequ
     exported = get_export_info(model).get("dims")
     if exported:
         return {str(k): int(v) for k, v in exported.items()}, "export"
-    if not memory.graph_dim_params(stashed):
+    if not symbols:
         return {}, "static"
     return None, "none"
 
 
-def _bind_internal_dims(model: ir.Model, dims: dict | None, stashed: Sequence[ir.Value]) -> tuple[dict | None, list[str]]:
+def _bind_internal_dims(model: ir.Model, dims: dict | None, symbols: set[str]) -> tuple[dict | None, list[str]]:
     """Add the values of graph-internal dims (named by shape inference) at ``dims``."""
     if not dims:
         return dims, []
-    unbound = memory.graph_dim_params(stashed) - set(dims)
+    unbound = symbols - set(dims)
     if not unbound:
         return dims, []
     bound = memory.bind_internal_dims(model, dims, unbound)
@@ -697,11 +711,10 @@ def _bind_internal_dims(model: ir.Model, dims: dict | None, stashed: Sequence[ir
     return {**dims, **bound}, notes
 
 
-def _dims_notes(dims: dict | None, stashed: Sequence[ir.Value]) -> list[str]:
-    symbols = sorted(memory.graph_dim_params(stashed))
+def _dims_notes(dims: dict | None, symbols: set[str]) -> list[str]:
     if dims is None:
-        return [f"the graph has symbolic dims ({', '.join(symbols)}) and no dims were given: savings are symbolic only"]
-    missing = [s for s in symbols if s not in dims]
+        return [f"the graph has symbolic dims ({', '.join(sorted(symbols))}) and no dims were given: savings are symbolic only"]
+    missing = [s for s in sorted(symbols) if s not in dims]
     if missing:
         return [f"no value for dims {', '.join(missing)}: sizes that depend on them are left symbolic ('?')"]
     return []
@@ -735,8 +748,9 @@ def find_recompute_candidates(
     if probe_level not in (ProbeLevel.BASIC, ProbeLevel.ADVANCED):
         raise ValueError(f"probe_level must be 0 (basic) or 1 (advanced, ORT's default), not {probe_level!r}")
     partition = get_partition(training_model)
-    resolved_dims, dims_source = _resolve_dims(training_model, dims, partition.stashed)
-    resolved_dims, notes = _bind_internal_dims(training_model, resolved_dims, partition.stashed)
+    symbols = memory.graph_dim_params(partition.stashed)  # once: dims resolution and the notes need it
+    resolved_dims, dims_source = _resolve_dims(training_model, dims, symbols)
+    resolved_dims, notes = _bind_internal_dims(training_model, resolved_dims, symbols)
     analysis = _Analysis(
         training_model, partition, probe_level, layer_boundary, resolved_dims, max_nodes, min_elements
     )
@@ -747,8 +761,7 @@ def find_recompute_candidates(
         if rejection is not None:
             skipped.append(SkippedCandidate(entry, rejection))
             continue
-        full = analysis.occurrence(entry, outputs, PlanType.RECOMPUTE)
-        compromise = analysis.occurrence(entry, outputs, PlanType.RECOMPUTE_WITH_COMPROMISE)
+        full, compromise = analysis.occurrences(entry, outputs)
         if isinstance(compromise, Occurrence) and isinstance(full, Occurrence) and compromise.nodes == full.nodes:
             compromise = "the same subgraph as the full recompute"
         occurrences = [occ for occ in (full, compromise) if isinstance(occ, Occurrence)]
@@ -782,7 +795,7 @@ def find_recompute_candidates(
         layer_boundary=layer_boundary,
         dims=resolved_dims,
         dims_source=dims_source,
-        notes=notes + _dims_notes(resolved_dims, partition.stashed),
+        notes=notes + _dims_notes(resolved_dims, symbols),
         positions=analysis.positions,
     )
 
