@@ -84,7 +84,7 @@ from typing import Iterable, Sequence
 import onnx_ir as ir
 
 from ortpass.analysis.cache import AnalysisCache
-from ortpass.analysis.partition import SIDE_KEY, get_partition, tag
+from ortpass.analysis.partition import SIDE_KEY, tag
 from ortpass.analysis.plans import PlanSpec, PlanType, load_plan_file, parse_plans
 from ortpass.analysis.recomputable_ops import MS_DOMAIN, ProbeLevel, is_optional_output
 from ortpass.analysis.recompute import Occurrence, RecomputeReport, find_recompute_candidates
@@ -327,7 +327,6 @@ class _Cloner:
 
     def __init__(self, model: ir.Model) -> None:
         self.model = model
-        self.partition = get_partition(model)
         self.taken = _value_names(model.graph) | {n.name for n in model.graph if n.name}
 
     def unique(self, name: str) -> str:
@@ -353,7 +352,7 @@ class _Cloner:
         clone_ids = {id(c) for c in clones}
         for old, new in clone_of.items():
             for user, index in list(old.uses()):
-                if self.partition.is_backward(user) and id(user) not in clone_ids:
+                if user.metadata_props.get(SIDE_KEY) == "backward" and id(user) not in clone_ids:
                     user.replace_input_with(index, new)
         return clones
 
@@ -469,7 +468,8 @@ def _order_gradient_leaves(graph: ir.Graph) -> None:
     """
     position = {node: i for i, node in enumerate(graph)}
     units = _leaf_units(graph)
-    ready = {unit[-1]: _ready_position(unit, position) for unit in units}
+    produced_at = _ProducedAt(position)
+    ready = {unit[-1]: _ready_position(unit, produced_at) for unit in units}
     units.sort(key=lambda unit: (ready[unit[-1]], position[unit[-1]]))
     moved = [node for unit in reversed(units) for node in unit]
     # One removal and one extension: Graph.remove copies the graph's outputs on every call.
@@ -499,7 +499,7 @@ def _leaf_units(graph: ir.Graph) -> list[list[ir.Node]]:
     return list(units.values())
 
 
-def _ready_position(unit: Sequence[ir.Node], position: dict[ir.Node, int]) -> int:
+def _ready_position(unit: Sequence[ir.Node], produced_at: _ProducedAt) -> int:
     """The graph position after which every value ``unit`` reads from outside exists."""
     members = set(unit)
     producers = [
@@ -508,18 +508,24 @@ def _ready_position(unit: Sequence[ir.Node], position: dict[ir.Node, int]) -> in
         for value in node.inputs
         if value is not None and value.producer() not in members
     ]
-    return max((_produced_at(p, position) for p in producers), default=-1)
+    return max(map(produced_at, producers), default=-1)
 
 
-def _produced_at(producer: ir.Node | None, position: dict[ir.Node, int]) -> int:
-    """Where ``producer`` runs in graph order; -1 for graph inputs and initializers.  A
-    clone not placed yet runs once its own inputs exist."""
-    if producer is None:
-        return -1
-    if producer in position:
-        return position[producer]
-    inputs = [v.producer() for v in producer.inputs if v is not None]
-    return max((_produced_at(p, position) for p in inputs), default=-1)
+class _ProducedAt:
+    """Where a producer runs in graph order; -1 for graph inputs and initializers.  A
+    clone not placed yet runs once its own inputs exist: memoized, as units read clones
+    of clones (43k recursive calls for 4.6k lookups at 17.5k nodes without it)."""
+
+    def __init__(self, position: dict[ir.Node, int]) -> None:
+        self.position = dict(position)
+
+    def __call__(self, producer: ir.Node | None) -> int:
+        if producer is None:
+            return -1
+        if producer not in self.position:
+            inputs = [v.producer() for v in producer.inputs if v is not None]
+            self.position[producer] = max(map(self, inputs), default=-1)
+        return self.position[producer]
 
 
 def _has_consumer(node: ir.Node) -> bool:
