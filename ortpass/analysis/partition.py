@@ -128,9 +128,9 @@ def _consumer_nodes(value: ir.Value) -> Iterable[ir.Node]:
 
 
 def _stashed_values(forward: list[ir.Node]) -> list[ir.Value]:
-    stashed = []
-    for node in forward:
-        for out in node.outputs:
-            if any(c.metadata_props.get(SIDE_KEY) == "backward" for c in _consumer_nodes(out)):
-                stashed.append(out)
-    return stashed
+    return [
+        out
+        for node in forward
+        for out in node.outputs
+        if any(user.metadata_props.get(SIDE_KEY) == "backward" for user, _ in out.uses())
+    ]

@@ -362,6 +362,7 @@ class _Analysis:
         self.forward_position = {node: i for i, node in enumerate(partition.forward)}
         self._lookup_cache: dict[ir.Node, RecomputableOp | None] = {}
         self._bytes_cache: dict[ir.Value, sympy.Expr | None] = {}
+        self._numel_cache: dict[ir.Value, int | None] = {}
         # Buffers kept alive anyway: stashed buffers, graph inputs, initializers.
         self.stashed_buffers = {self.buffers.root(v) for v in partition.stashed}
         # The stashed values viewing each buffer.
@@ -407,12 +408,16 @@ class _Analysis:
         ]
 
     def static_numel(self, value: ir.Value) -> int | None:
-        """Element count when static (for a ctx, of what it holds), else None."""
-        held = self.context_buffers(value)
-        if held is None:
-            return memory.static_numel(value)
-        counts = [memory.static_numel(v) for v in held]
-        return None if None in counts else sum(counts)  # type: ignore[arg-type]
+        """Element count when static (for a ctx, of what it holds), else None.  Memoized:
+        growth asks about the same boundary values again and again (17k asks at 17.5k nodes)."""
+        if value not in self._numel_cache:
+            held = self.context_buffers(value)
+            if held is None:
+                self._numel_cache[value] = memory.static_numel(value)
+            else:
+                counts = [memory.static_numel(v) for v in held]
+                self._numel_cache[value] = None if None in counts else sum(counts)  # type: ignore[arg-type]
+        return self._numel_cache[value]
 
     def below_floor(self, value: ir.Value) -> bool:
         numel = self.static_numel(value)
