@@ -18,11 +18,13 @@ is recorded as timed out):
   ``insert-gather-before-sce-loss``, ``build-training-graph``,
   ``fix-dropout-seed(level=1)``, ``recompute(level=1)``, both with ``min_elements=0``
   (the default floor of 1Mi elements, ORT's, leaves nothing to recompute in graphs this
-  narrow; ORT's own analysis reports plans for them, so both sides apply plans).  Per pass: the pass's own seconds
+  narrow; ORT's own analysis reports plans for them, so both sides apply plans), then
+  ``replay-dropout-mask`` and ``order-backward-joins`` (the post-grad passes of the CLI's
+  default pipeline).  Per pass: the pass's own seconds
   and the manager's check seconds (serialize + onnx checker), separately; the manager's
   overhead (copying the model for rollback, the before/after node diff) is the wall time
   minus both;
-- the two post-grad passes alone on the training graph with ``check="incremental"``
+- the post-grad passes alone on the training graph with ``check="incremental"``
   (structural rules on the IR, the onnx checker on new and changed nodes only, a clone
   as the rollback point): wall time and check seconds;
 - ORT's own optimizer on the graph ORTModule would run (``OrtModuleGraphBuilder``'s
@@ -59,7 +61,8 @@ HERE = pathlib.Path(__file__).resolve().parent
 
 # Up to the training graph: what ORT's own optimizer is given.
 TRAINING_PIPELINE = "pythonop-shape-inference,insert-gather-before-sce-loss,build-training-graph"
-POST_GRAD_PIPELINE = "fix-dropout-seed(level=1,min_elements=0),recompute(level=1,min_elements=0)"
+POST_GRAD_PASSES = ("fix-dropout-seed", "recompute", "replay-dropout-mask", "order-backward-joins")
+POST_GRAD_PIPELINE = "fix-dropout-seed(level=1,min_elements=0),recompute(level=1,min_elements=0),replay-dropout-mask,order-backward-joins"
 PIPELINE = TRAINING_PIPELINE + "," + POST_GRAD_PIPELINE
 STATIC_LAYERS = (2, 8, 24, 48, 192, 576)
 DYNAMIC_LAYERS = (2, 8, 24, 48)
@@ -281,17 +284,18 @@ def to_markdown(results: list[dict], summary: dict) -> str:
     lines = ["# Scaling: ortpass pipeline vs ORT 1.19.2's C++ memory optimizer", "",
              f"GPT-like decoder, hidden 64, 4 heads, batch {BATCH}, seq {SEQ}; pipeline `{PIPELINE}`; "
              "2 cores. Times in ms.", ""]
-    lines += ["| mode | layers | training nodes | ORT graph nodes | fix-dropout-seed | recompute | post-grad checks | "
-              "post-grad total | post-grad, incremental check: wall (checks) | whole pipeline (wall) | "
-              "ORT optimizer: session + (of a session without) | ORT analysis |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    columns = ["mode", "layers", "training nodes", "ORT graph nodes", *POST_GRAD_PASSES, "post-grad checks",
+               "post-grad total", "post-grad, incremental check: wall (checks)", "whole pipeline (wall)",
+               "ORT optimizer: session + (of a session without)", "ORT analysis"]
+    lines += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for r in results:
         if "pipeline" not in r:
             why = f"timed out after {r['limit_seconds']:.0f} s" if r.get("timed_out") else "failed"
-            lines.append(f"| {r['mode']} | {r['layers']} | {why} | | | | | | | | | |")
+            lines.append(f"| {r['mode']} | {r['layers']} | {why} |" + " |" * (len(columns) - 3))
             continue
         by = {p["pass"]: p for p in r["pipeline"]["passes"]}
-        checks = sum(by[n]["check_seconds"] for n in ("fix-dropout-seed", "recompute"))
+        checks = sum(by[n]["check_seconds"] for n in POST_GRAD_PASSES)
+        pass_cells = " | ".join(f"{1e3 * by[n]['seconds']:.0f}" for n in POST_GRAD_PASSES)
         ort = r["ort"]
         ort_cells = (
             (
@@ -304,7 +308,7 @@ def to_markdown(results: list[dict], summary: dict) -> str:
         )
         lines.append(
             f"| {r['mode']} | {r['layers']} | {r['training_nodes']} | {ort_cells[0]} | "
-            f"{1e3 * by['fix-dropout-seed']['seconds']:.0f} | {1e3 * by['recompute']['seconds']:.0f} | "
+            f"{pass_cells} | "
             f"{1e3 * checks:.0f} | {1e3 * post_grad_seconds(r):.0f} | {_incremental_cell(r)} | "
             f"{1e3 * r['pipeline']['wall_seconds']:.0f} | "
             f"{ort_cells[1]} | {ort_cells[2]} |"

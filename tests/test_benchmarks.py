@@ -29,8 +29,13 @@ def test_scaling_times_ortpass_and_ort_on_the_smallest_decoder():
     result = scaling.run_one(2, dynamic=False)
     passes = {p["pass"]: p for p in result["pipeline"]["passes"]}
     assert list(passes) == [
-        "pythonop-shape-inference", "insert-gather-before-sce-loss", "build-training-graph", "fix-dropout-seed", "recompute",
+        "pythonop-shape-inference", "insert-gather-before-sce-loss", "build-training-graph",
+        "fix-dropout-seed", "recompute", "replay-dropout-mask", "order-backward-joins",
     ]
+    table = scaling.to_markdown([result], scaling.summarize([result])).splitlines()
+    header = next(i for i, line in enumerate(table) if line.startswith("| mode |"))
+    assert "| fix-dropout-seed | recompute | replay-dropout-mask | order-backward-joins |" in table[header]
+    assert table[header + 2].count("|") == table[header].count("|")  # a cell per column
     assert passes["recompute"]["modified"] and passes["recompute"]["nodes_after"] > passes["recompute"]["nodes_before"]
     ort = result["ort"]
     # ORT's analysis finds plans on the same training graph (the one before recompute).
