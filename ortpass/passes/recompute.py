@@ -480,22 +480,22 @@ def _order_gradient_leaves(graph: ir.Graph) -> None:
 def _leaf_units(graph: ir.Graph) -> list[list[ir.Node]]:
     """Each backward leaf with the backward nodes only it reads, in graph order (the leaf
     last: every other member feeds it)."""
-    owner: dict[ir.Node, ir.Node] = {}  # node -> the leaf whose unit holds it
+    owner: dict[ir.Node, ir.Node] = {}  # node -> the leaf whose unit holds it, consumers first
     for node in reversed(graph):  # consumers before producers
         if node.metadata_props.get(SIDE_KEY) != "backward":
             continue
-        if not _has_consumer(node):
+        users = [user for out in node.outputs for user, _ in out.uses()]
+        if not users:
             owner[node] = node
             continue
         if any(out.is_graph_output() for out in node.outputs):
             continue
-        leaves = {owner.get(user) for out in node.outputs for user, _ in out.uses()}
+        leaves = {owner.get(user) for user in users}
         if len(leaves) == 1 and None not in leaves:
             owner[node] = leaves.pop()
     units: dict[ir.Node, list[ir.Node]] = {}
-    for node in graph:
-        if node in owner:
-            units.setdefault(owner[node], []).append(node)
+    for node in reversed(owner):  # graph order, without walking the graph again
+        units.setdefault(owner[node], []).append(node)
     return list(units.values())
 
 
@@ -526,7 +526,3 @@ class _ProducedAt:
             inputs = [v.producer() for v in producer.inputs if v is not None]
             self.position[producer] = max(map(self, inputs), default=-1)
         return self.position[producer]
-
-
-def _has_consumer(node: ir.Node) -> bool:
-    return any(out.uses() for out in node.outputs)
