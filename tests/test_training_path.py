@@ -1,6 +1,8 @@
 """Issue 3: torch module -> export -> gradient build -> ORT step, with parity against torch."""
 
 import json
+import os
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -15,6 +17,8 @@ from ortpass.runtime import TrainingSession, dropout_mask_names
 from ortpass.runtime.parity import check_parity, relative_error
 from ortpass.testing.models import MLP, GPTDecoder, _BlockRegression
 from ortpass.training import build_training_graph
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def _mlp_case():
@@ -263,3 +267,26 @@ def test_training_graph_shapes_are_expressed_in_the_export_dims(tmp_path, monkey
     softmax = next(n for n in training.graph if n.op_type == "Softmax")
     assert [str(d) for d in softmax.outputs[0].shape] == ["batch", "2", "seq", "seq"]
     assert list(tmp_path.iterdir()) == []  # ORT's wrapper would have left sym_shape_infer_temp.onnx here
+
+
+def test_the_training_graph_is_the_same_whatever_python_hashes(tmp_path):
+    """ORT's gradient builder emits gradients in the order of a set of names, which follows
+    Python's string hashing (PYTHONHASHSEED): the build must not pass that on."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, onnx_ir as ir\n"
+        "from ortpass.training import build_training_graph\n"
+        "ir.save(build_training_graph(ir.load('golden_models/mlp.onnx')), sys.argv[1])\n"
+    )
+    built = []
+    for seed in ("1", "2"):
+        path = tmp_path / f"mlp_{seed}.onnx"
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        subprocess.run([sys.executable, "-c", script, str(path)], check=True, env=env, cwd=REPO_ROOT)
+        built.append(path.read_bytes())
+    assert built[0] == built[1]
+    outputs = [o.name for o in onnx.load_from_string(built[0]).graph.output]
+    params = get_training_info(ir.from_proto(onnx.load_from_string(built[0]))).params
+    assert outputs == ["loss", *(f"{p}_grad" for p in params)]

@@ -90,6 +90,7 @@ def build_training_graph(
     clamp_for_ort(training_proto)
     training_proto = _infer_shapes(training_proto)
     gradients = _check_gradient_outputs(training_proto, params)
+    _order_outputs(training_proto, [loss, *gradients.values()])
 
     training = ir.from_proto(training_proto)
     _tag_sides(training, forward_names)
@@ -394,6 +395,17 @@ def _check_gradient_outputs(proto: onnx.ModelProto, params: Sequence[str]) -> di
             f"the gradient builder produced no gradient for {missing}: the loss does not depend on them"
         )
     return gradients
+
+
+def _order_outputs(proto: onnx.ModelProto, first: Sequence[str]) -> None:
+    """Put the graph outputs named in ``first`` first, in that order (the rest after them,
+    as they were).  ORT's gradient builder takes the parameters as a set and emits their
+    gradients in its iteration order, which follows Python's string hashing: without this,
+    the same model built twice came out in different bytes."""
+    rank = {name: i for i, name in enumerate(first)}
+    ordered = sorted(proto.graph.output, key=lambda o: rank.get(o.name, len(rank)))
+    del proto.graph.output[:]
+    proto.graph.output.extend(ordered)
 
 
 def _tag_sides(training: ir.Model, forward_names: set[str]) -> None:
