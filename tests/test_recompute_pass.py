@@ -23,9 +23,10 @@ from ortpass.errors import PassOrderingError, PipelineSpecError, PlanError
 from ortpass.export import export
 from ortpass.passes import FixDropoutSeedPass, RecomputePass
 from ortpass.passes.recompute import RECOMPUTE_OF_KEY
-from ortpass.runtime.session import DISABLED_ORT_OPTIMIZERS
 from ortpass.runtime import TrainingSession
+from ortpass.runtime.session import DISABLED_ORT_OPTIMIZERS
 from ortpass.testing.models import GPTDecoder
+from ortpass.testing.profiling import ort_execution_order
 from ortpass.training import build_training_graph
 
 F = onnx.TensorProto.FLOAT
@@ -437,24 +438,8 @@ def fused_decoder_graph() -> ir.Model:
 
 
 def _ort_execution_order(model: ir.Model, tmp_path) -> list[str]:
-    """The node names in the order ORT's default execution order ran them (profiled)."""
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    options.enable_profiling = True
-    options.profile_file_prefix = str(tmp_path / "profile")
-    session = ort.InferenceSession(
-        ir.to_proto(model).SerializeToString(),
-        options,
-        providers=["CPUExecutionProvider"],
-        disabled_optimizers=list(DISABLED_ORT_OPTIMIZERS),
-    )
     feeds = {"input_ids": np.zeros((2, 16), np.int64), "labels": np.zeros((2, 16), np.int64)}
-    session.run(None, feeds)
-    events = json.loads(open(session.end_profiling()).read())
-    suffix = "_kernel_time"
-    return [e["name"][: -len(suffix)] for e in events if e.get("cat") == "Node" and e["name"].endswith(suffix)]
+    return ort_execution_order(model, feeds, tmp_path)
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["plain", "ort-fusions"])
