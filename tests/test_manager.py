@@ -297,19 +297,25 @@ class SnapshotBeforeEachPass:
         self.before[pass_.name] = ir.to_proto(model).SerializeToString()
 
 
+_ALL_MODES = ("full", "incremental", "none")
+_FAILING_PASSES = {  # name: (pass, what the error says, the check modes that catch it)
+    "raises": (RaisesHalfwayPass, "RuntimeError: boom in the middle of a rewrite", _ALL_MODES),
+    # Without checks nothing refuses a model that reads an undefined value.
+    "checker-fails": (ReadsUndefinedValuePass, "fails the onnx checker after this pass.*never_defined", _ALL_MODES[:2]),
+    "postcondition-fails": (BrokenPostconditionPass, "PostconditionError.*an Identity is left in the graph", _ALL_MODES),
+}
+
+
 @pytest.mark.parametrize(
-    "failing, reason",
+    "failing_cls, reason, check",
     [
-        (RaisesHalfwayPass(), "RuntimeError: boom in the middle of a rewrite"),
-        (ReadsUndefinedValuePass(), "fails the onnx checker after this pass.*never_defined"),
-        (BrokenPostconditionPass(), "PostconditionError.*an Identity is left in the graph"),
+        pytest.param(cls, reason, check, id=f"{name}-{check}")
+        for name, (cls, reason, checks) in _FAILING_PASSES.items()
+        for check in checks
     ],
-    ids=["raises", "checker-fails", "postcondition-fails"],
 )
-@pytest.mark.parametrize("check", ["full", "incremental", "none"])
-def test_a_failing_pass_gives_back_the_model_before_it(relu_model, failing, reason, check):
-    if check == "none" and isinstance(failing, ReadsUndefinedValuePass):
-        pytest.skip("without checks nothing refuses the model")
+def test_a_failing_pass_gives_back_the_model_before_it(relu_model, failing_cls, reason, check):
+    failing = failing_cls()
     snapshots = SnapshotBeforeEachPass()
     manager = PassManager([InsertIdentityPass(), failing, NoOpPass()], instruments=[snapshots], check=check)
     with pytest.raises(PassFailedError, match=reason) as info:
