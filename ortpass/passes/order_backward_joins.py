@@ -15,9 +15,10 @@ backward nodes that feed only that input: their outputs are read inside the chai
 the join alone), the bytes a chain frees are those of the values it reads from outside
 whose other backward readers all come before the join's chains in graph order (their last
 reader is in the chain; graph order stands for ORT's here, as recompute places each clone
-right before its first reader, where ORT's walk runs it).  If
-the chain that frees the most is not the one ORT walks first, it moves, in its own order,
-to just before the join: its last node then has the highest index among the join's
+right before its first reader, where ORT's walk runs it); a value the chain reads only
+through views (a Reshape's output is its input's buffer) is not freed before the join.
+If the chain that frees the most is not the one ORT walks first, it moves, in its own
+order, to just before the join: its last node then has the highest index among the join's
 producers, and the walk takes it first.  A chain's outputs are read only inside it or by
 the join, so the graph stays topologically sorted, and no node changes: only the order.
 Sizes come from static shapes, or from the export's dims for symbolic ones; a join whose
