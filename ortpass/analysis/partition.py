@@ -25,6 +25,7 @@ __all__ = [
     "TrainingInfo",
     "get_partition",
     "get_training_info",
+    "is_backward",
     "is_training_graph",
     "set_training_info",
     "tag",
@@ -64,10 +65,15 @@ class Partition:
         return node.metadata_props[SIDE_KEY]  # type: ignore[return-value]
 
     def is_backward(self, node: ir.Node) -> bool:
-        return node.metadata_props.get(SIDE_KEY) == "backward"
+        return is_backward(node)
 
     def backward_consumers(self, value: ir.Value) -> list[ir.Node]:
         return [n for n in _consumer_nodes(value) if self.is_backward(n)]
+
+
+def is_backward(node: ir.Node) -> bool:
+    """``node`` is tagged backward (an untagged node counts as forward)."""
+    return node.metadata_props.get(SIDE_KEY) == "backward"
 
 
 def tag(node: ir.Node, side: Side) -> ir.Node:

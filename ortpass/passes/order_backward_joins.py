@@ -35,13 +35,8 @@ import logging
 
 import onnx_ir as ir
 
-from ortpass.analysis.memory import (
-    evaluate,
-    is_alias_node,
-    static_numel,
-    symbolic_nbytes,
-)
-from ortpass.analysis.partition import SIDE_KEY
+from ortpass.analysis.memory import evaluate, is_alias_node, symbolic_nbytes
+from ortpass.analysis.partition import is_backward
 from ortpass.metadata import get_export_info
 from ortpass.passes.base import OrtPass
 from ortpass.registry import register_pass
@@ -49,10 +44,6 @@ from ortpass.registry import register_pass
 __all__ = ["OrderBackwardJoinsPass"]
 
 logger = logging.getLogger(__name__)
-
-
-def _is_backward(node: ir.Node) -> bool:
-    return node.metadata_props.get(SIDE_KEY) == "backward"
 
 
 class _Sizes:
@@ -68,12 +59,6 @@ class _Sizes:
         return self.known[value]
 
     def _bytes(self, value: ir.Value) -> int | None:
-        dtype = value.dtype
-        if dtype is None or dtype == ir.DataType.UNDEFINED:
-            return None
-        numel = static_numel(value)
-        if numel is not None:
-            return numel * dtype.bitwidth // 8
         return evaluate(symbolic_nbytes(value), self.dims)
 
 
@@ -147,7 +132,7 @@ class OrderBackwardJoinsPass(OrtPass):
         moves: list[tuple[ir.Node, list[ir.Node]]] = []
         # Of backward nodes only: membership is the side test (one tag read per node, not
         # one per visit: 87k at 17.5k nodes).
-        position = {node: i for i, node in enumerate(graph) if _is_backward(node)}
+        position = {node: i for i, node in enumerate(graph) if is_backward(node)}
         for join in position:
             chain = self._chain_to_run_first(join, position, sizes)
             if chain:
@@ -162,7 +147,7 @@ class OrderBackwardJoinsPass(OrtPass):
 
     def _chain_to_run_first(self, join: ir.Node, position: dict[ir.Node, int], sizes: _Sizes) -> list[ir.Node] | None:
         """The chain to move before ``join``, or None when ORT already walks the best one first."""
-        values = {v for v in join.inputs if v is not None and v.producer() in position}
+        values = list(dict.fromkeys(v for v in join.inputs if v is not None and v.producer() in position))
         if len(values) < 2:
             return None  # one chain at most: 11.7k of the 16.5k backward nodes at 17.5k nodes
         chains = [chain for v in values if (chain := exclusive_chain(v, join, position))]

@@ -36,7 +36,8 @@ import logging
 
 import onnx_ir as ir
 
-from ortpass.analysis.partition import SIDE_KEY, tag
+from ortpass.analysis.partition import is_backward, tag
+from ortpass.analysis.recomputable_ops import MS_DOMAIN
 from ortpass.passes.base import OrtPass
 from ortpass.passes.fix_dropout_seed import dropout_seed
 from ortpass.registry import register_pass
@@ -47,9 +48,6 @@ logger = logging.getLogger(__name__)
 
 # Node metadata key on a replaying Dropout: the name of the forward Dropout it replays.
 REPLAY_OF_KEY = "pkg.ortpass.replay_of"
-
-_MS_DOMAIN = "com.microsoft"
-
 
 def _is_onnx_dropout(node: ir.Node | None) -> bool:
     return node is not None and node.op_type == "Dropout" and node.domain in ("", "ai.onnx")
@@ -66,7 +64,7 @@ def _forward_dropout(grad: ir.Node) -> ir.Node | None:
     dropout = mask.producer() if mask is not None else None
     if not _is_onnx_dropout(dropout) or mask.index() != 1:
         return None
-    if dropout.metadata_props.get(SIDE_KEY, "forward") != "forward":  # a recompute clone
+    if is_backward(dropout):  # a recompute clone
         return None
     if _input(grad, 2) is not _input(dropout, 1) or _input(grad, 3) is not _input(dropout, 2):
         return None
@@ -104,7 +102,7 @@ class ReplayDropoutMaskPass(OrtPass):
         pairs = [
             (grad, dropout)
             for grad in graph
-            if grad.op_type == "DropoutGrad" and grad.domain == _MS_DOMAIN
+            if grad.op_type == "DropoutGrad" and grad.domain == MS_DOMAIN
             and (dropout := _forward_dropout(grad)) is not None
         ]
         for grad, dropout in pairs:
@@ -137,7 +135,7 @@ class ReplayDropoutMaskPass(OrtPass):
             name=f"{grad.name}_replay" if grad.name else None,
             num_outputs=1,
         )
-        tag(replay, grad.metadata_props.get(SIDE_KEY, "backward"))
+        tag(replay, "backward")
         replay.metadata_props[REPLAY_OF_KEY] = forward.name or ""
         # Takes over the gradient's name, type, shape and readers (graph outputs included);
         # the caller removes the gradient.
