@@ -526,8 +526,7 @@ class PassManager(ir.passes.FunctionalPass):
             raise TypeError(f"assume must be a collection of property names, not the str {assume!r}")
         self.assume = frozenset(assume)
         self.passes: list[ir.passes.PassBase] = order_passes(given, assume=self.assume)
-        self.check = check
-        self._check_mode = check_mode(check)
+        self.check = check_mode(check)  # "full", "incremental" or "none"
         self.dump_dir = Path(dump_dir) if dump_dir is not None else None
         self.instruments = tuple(instruments)
         self.report: PassReport | None = None
@@ -563,9 +562,9 @@ class PassManager(ir.passes.FunctionalPass):
 
     def _check(self, model: ir.Model, previous: Checked) -> Checked:
         """Check ``model`` in this manager's mode; ``previous``: what the check before accepted."""
-        if self._check_mode == "full":
+        if self.check == "full":
             return full_check(model)
-        if self._check_mode == "incremental":
+        if self.check == "incremental":
             return incremental_check(model, previous if isinstance(previous, CheckedState) else None)
         return None
 
@@ -681,7 +680,7 @@ class PassManager(ir.passes.FunctionalPass):
         out: ir.Model,
         previous: Checked,
     ) -> Checked:
-        if self._check_mode == "none":
+        if self.check == "none":
             return None
         start = time.perf_counter()
         try:

@@ -80,7 +80,7 @@ def test_parse_keeps_positions():
 
 def test_manager_options_pass_through():
     manager = pipeline("scale", check=False, assume=["shapes"])
-    assert manager.check is False and manager.assume == {"shapes"}
+    assert manager.check == "none" and manager.assume == {"shapes"}
 
 
 def test_unknown_pass_names_the_pass_its_position_and_the_known_ones():
