@@ -84,7 +84,7 @@ from typing import Iterable, Sequence
 import onnx_ir as ir
 
 from ortpass.analysis.cache import AnalysisCache
-from ortpass.analysis.partition import SIDE_KEY, tag
+from ortpass.analysis.partition import is_backward, tag
 from ortpass.analysis.plans import PlanSpec, PlanType, load_plan_file, parse_plans
 from ortpass.analysis.recomputable_ops import MS_DOMAIN, ProbeLevel, is_optional_output
 from ortpass.analysis.recompute import Occurrence, RecomputeReport, find_recompute_candidates
@@ -352,7 +352,7 @@ class _Cloner:
         clone_ids = {id(c) for c in clones}
         for old, new in clone_of.items():
             for user, index in list(old.uses()):
-                if user.metadata_props.get(SIDE_KEY) == "backward" and id(user) not in clone_ids:
+                if is_backward(user) and id(user) not in clone_ids:
                     user.replace_input_with(index, new)
         return clones
 
@@ -482,7 +482,7 @@ def _leaf_units(graph: ir.Graph) -> list[list[ir.Node]]:
     last: every other member feeds it)."""
     owner: dict[ir.Node, ir.Node] = {}  # node -> the leaf whose unit holds it, consumers first
     for node in reversed(graph):  # consumers before producers
-        if node.metadata_props.get(SIDE_KEY) != "backward":
+        if not is_backward(node):
             continue
         users = [user for out in node.outputs for user, _ in out.uses()]
         if not users:
