@@ -2,9 +2,9 @@
 after each one, rolls back a failing pass, and reports what every pass did.
 
 :class:`PassManager` is itself an ``onnx_ir`` :class:`~onnx_ir.passes.FunctionalPass`: the
-model it is given is never changed (every in-place pass runs on a copy, which is also what
-makes rollback possible), it returns a new model, and it can be nested inside any onnx_ir
-``PassManager``.  Its result is a :class:`ManagerResult`, an ``onnx_ir`` ``PassResult`` that
+model it is given is never changed (the first in-place pass gets a copy; the passes after
+it rewrite that copy, and :mod:`ortpass.rollback` rebuilds what a failing pass was given),
+it returns a new model, and it can be nested inside any onnx_ir ``PassManager``.  Its result is a :class:`ManagerResult`, an ``onnx_ir`` ``PassResult`` that
 also carries the :class:`PassReport`.
 
 Ordering rules, from the declarations in :mod:`ortpass.passes.base`:
@@ -59,6 +59,7 @@ from ortpass.errors import (
 )
 from ortpass.passes.base import CREATED_BY_KEY, PassDeclarations
 from ortpass.registry import get_pass
+from ortpass.rollback import RollbackPoint
 
 __all__ = [
     "TRAINING_GRAPH",
@@ -393,10 +394,26 @@ def _cyclic_gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _all_nodes(model: ir.Model) -> Iterator[ir.Node]:
-    yield from model.graph.all_nodes()
+def _all_nodes(model: ir.Model) -> list[ir.Node]:
+    """Every node of ``model``: its graph's, their subgraphs' and its functions'.
+
+    The graph's own nodes are listed straight from its node list; onnx_ir's recursive
+    iterator (``Graph.all_nodes``), which looks for subgraphs under every attribute, took
+    30 ms a call on a 17.5k-node training graph, and the manager lists the nodes twice a pass.
+    """
+    nodes = []
+    for node in model.graph:
+        nodes.append(node)
+        if node.attributes:
+            for attr in node.attributes.values():
+                if attr.type == ir.AttributeType.GRAPH:
+                    nodes.extend(ir.traversal.RecursiveGraphIterator(attr.value))
+                elif attr.type == ir.AttributeType.GRAPHS:
+                    for subgraph in attr.value:
+                        nodes.extend(ir.traversal.RecursiveGraphIterator(subgraph))
     for function in model.functions.values():
-        yield from ir.traversal.RecursiveGraphIterator(function)
+        nodes.extend(ir.traversal.RecursiveGraphIterator(function))
+    return nodes
 
 
 def _op_label(node: ir.Node) -> str:
@@ -447,6 +464,11 @@ def _stats_of(pass_: ir.passes.PassBase) -> dict[str, Any]:
     return json.loads(json.dumps(stats, default=str))
 
 
+#: How to get back the model a pass was given: the model, and None or a sentence saying
+#: that only an earlier state could be given back (see :mod:`ortpass.rollback`).
+Rollback = Callable[[], tuple[ir.Model, str | None]]
+
+
 def _describe(exc: BaseException) -> str:
     text = f"{type(exc).__name__}: {exc}"
     cause = exc.__cause__
@@ -472,15 +494,13 @@ class PassManager(ir.passes.FunctionalPass):
             output defined, opset imports present), every node against its schema
             (ai.onnx and ai.onnx.ml; it has no schemas for ``com.microsoft`` ops and lets
             them through), initializers and the graph inputs' and outputs' types.  The
-            serialization is also the rollback point, so in-place passes after the first
-            rewrite the manager's own copy.
+            serialization is also the rollback point.
 
             ``"incremental"``: the same rules, on the IR, without serializing the model:
             the structural rules over the whole graph, ``check_value_info`` on the graph
             inputs and outputs, and ``check_node`` / ``check_tensor`` only on the nodes and
             initializers that are new or changed (a node's op, domain, attributes, or
-            input or output names) since the last check; every in-place pass works on a
-            clone, the rollback point.  It falls back to the full check when the IR
+            input or output names) since the last check.  It falls back to the full check when the IR
             version or opset imports change, the model has functions, or a changed node
             holds a subgraph.  What it does not see: a change made inside an existing
             attribute or initializer tensor (its data mutated in place), and a value
@@ -488,8 +508,13 @@ class PassManager(ir.passes.FunctionalPass):
             it while serializing; the checker itself does not read value types).  About half the cost of ``"full"`` on large graphs (see
             ``benchmarks/scaling.md``).
 
-            ``"none"`` (or ``False``): no check; in-place passes still work on a clone,
-            so the input is never changed and a pass that raises is still rolled back.
+            ``"none"`` (or ``False``): no check; the input is still never changed and a
+            pass that raises is still rolled back.
+
+            Without the full check's serialization to go back to, a failing pass's input
+            is rebuilt by running the passes before it again from the latest copy (see
+            :mod:`ortpass.rollback`): the manager copies the model only where that would
+            take longer than the copy.  This assumes passes are deterministic.
 
             The pass's own ``ensures`` postconditions run through onnx_ir's
             ``PassBase.__call__`` in every mode.
@@ -549,10 +574,11 @@ class PassManager(ir.passes.FunctionalPass):
         self._notify("run_begin", self.passes, model)
         current = model
         cache = AnalysisCache()
+        point = RollbackPoint.at_input(model)
         try:
             for position, pass_ in enumerate(self.passes, start=1):
                 current, checked = self._run_pass(
-                    position, pass_, current, report, checked, cache, owned=current is not model
+                    position, pass_, current, report, checked, cache, point, owned=current is not model
                 )
         finally:
             self._notify("run_end", current, report)
@@ -582,25 +608,27 @@ class PassManager(ir.passes.FunctionalPass):
         report: PassReport,
         checked: Checked,
         cache: AnalysisCache,
+        point: RollbackPoint,
         *,
         owned: bool,
     ) -> tuple[ir.Model, Checked]:
         """Run one pass; return the model after it and what its check accepted.
 
         ``owned``: ``model`` is the manager's own (not the caller's).  ``checked``: what
-        the check of ``model`` accepted (its serialization in the full mode).
+        the check of ``model`` accepted (its serialization in the full mode).  ``point``:
+        how to rebuild ``model``, moved on as the pass succeeds.
         """
         record = PassRecord(position, _pass_name(pass_))
         self._notify("before_pass", pass_, model)
-        work, rollback, checked = self._prepare(pass_, model, checked, owned=owned)
-        before = list(_all_nodes(work))  # the objects, kept alive for the identity diff
+        work, rollback, checked = self._prepare(pass_, model, checked, point, owned=owned)
+        before = _all_nodes(work)  # the objects, kept alive for the identity diff
         record.nodes_before = len(before)
         start = time.perf_counter()
         try:
             result = self._call_with_cache(pass_, work, cache)
         except Exception as exc:
             record.seconds = time.perf_counter() - start
-            self._fail(pass_, record, rollback(), report, _describe(exc), exc)
+            self._fail(pass_, record, rollback, report, _describe(exc), exc)
         record.seconds = time.perf_counter() - start
         record.stats = _stats_of(pass_)
         self._record_changes(record, result, before)
@@ -610,6 +638,10 @@ class PassManager(ir.passes.FunctionalPass):
             accepted = checked  # nothing to check: what held for its input still holds
         else:
             accepted = self._check_output(pass_, record, rollback, report, result.model, checked)
+        if isinstance(accepted, onnx.ModelProto):
+            point.move_to_serialized(accepted, record.name)
+        elif not self._unchanged(record):
+            point.ran(record.name, pass_, record.seconds, record.nodes_after)
         if record.modified and self.dump_dir is not None:
             proto = accepted if isinstance(accepted, onnx.ModelProto) else ir.to_proto(result.model)
             record.dump_path = self._dump(proto, f"{position:02d}_{record.name}.onnx")
@@ -617,31 +649,37 @@ class PassManager(ir.passes.FunctionalPass):
         self._notify("after_pass", pass_, result.model, record)
         return result.model, accepted
 
-    @staticmethod
     def _prepare(
-        pass_: ir.passes.PassBase, model: ir.Model, checked: Checked, *, owned: bool
-    ) -> tuple[ir.Model, Callable[[], ir.Model], Checked]:
+        self, pass_: ir.passes.PassBase, model: ir.Model, checked: Checked, point: RollbackPoint, *, owned: bool
+    ) -> tuple[ir.Model, Rollback, Checked]:
         """The model ``pass_`` works on, how to get back ``model`` as it is now should the
         pass fail, and what the check accepted of the model the pass works on.
 
         The caller's model is never changed: an in-place pass given it works on a clone
         (as checked as its original).  An in-place pass given the manager's own model
-        rewrites it in place, so that analyses cached for it stay usable; the rollback
-        point is then the serialization the full check made, or else a clone.
+        rewrites it in place, so that analyses cached for it stay usable; ``point``
+        rebuilds it should the pass fail (see :mod:`ortpass.rollback`).
         """
         if not pass_.changes_input:
-            return model, lambda: model, checked  # a functional pass leaves its input alone
+            return model, lambda: (model, None), checked  # a functional pass leaves its input alone
         if not owned:
-            work = model.clone()
+            work = point.copy(model)
             rebased = CheckedState.of(work) if isinstance(checked, CheckedState) else checked
-            return work, lambda: model, rebased
-        if isinstance(checked, onnx.ModelProto):
-            return model, lambda: ir.from_proto(checked), checked
-        snapshot = model.clone()
-        return model, lambda: snapshot, checked
+            return work, lambda: (model, None), rebased
+        point.copy_if_cheaper(model)
+        return model, lambda: point.rebuild(self._run_again), checked
+
+    def _run_again(self, pass_: ir.passes.PassBase, model: ir.Model) -> tuple[ir.Model, int]:
+        """Run ``pass_`` once more, to rebuild a rollback point: no check, no instrument,
+        no dump; the nodes it creates are tagged as the first time."""
+        before = _all_nodes(model)
+        result = self._call_with_cache(pass_, model, AnalysisCache())
+        record = PassRecord(0, _pass_name(pass_))
+        self._record_changes(record, result, before)
+        return result.model, record.nodes_after
 
     def _record_changes(self, record: PassRecord, result: ir.passes.PassResult, before: list[ir.Node]) -> None:
-        after = list(_all_nodes(result.model))
+        after = _all_nodes(result.model)
         added, removed = _diff_nodes(before, after)
         for node in added:
             node.metadata_props.setdefault(CREATED_BY_KEY, record.name)
@@ -675,7 +713,7 @@ class PassManager(ir.passes.FunctionalPass):
         self,
         pass_: ir.passes.PassBase,
         record: PassRecord,
-        rollback: Callable[[], ir.Model],
+        rollback: Rollback,
         report: PassReport,
         out: ir.Model,
         previous: Checked,
@@ -688,13 +726,16 @@ class PassManager(ir.passes.FunctionalPass):
         except Exception as exc:
             record.check_seconds = time.perf_counter() - start
             reason = f"the model fails the onnx checker after this pass: {_describe(exc)}"
-            self._fail(pass_, record, rollback(), report, reason, exc)
+            self._fail(pass_, record, rollback, report, reason, exc)
         record.check_seconds = time.perf_counter() - start
         return accepted
 
     def _fail(
-        self, pass_: ir.passes.PassBase, record: PassRecord, model: ir.Model, report: PassReport, reason: str, exc: Exception
+        self, pass_: ir.passes.PassBase, record: PassRecord, rollback: Rollback, report: PassReport, reason: str, exc: Exception
     ) -> NoReturn:
+        model, note = rollback()
+        if note is not None:
+            reason = f"{reason}; {note}"
         record.error = reason
         if not record.stats:
             record.stats = _stats_of(pass_)

@@ -9,6 +9,7 @@ import json
 import logging
 import subprocess
 import sys
+import time
 
 import onnx
 import onnx_ir as ir
@@ -332,6 +333,97 @@ def test_a_failing_pass_gives_back_the_model_before_it(relu_model, failing_cls, 
     assert [(r.name, r.failed) for r in error.report.records] == [("insert-identity", False), (failing.name, True)]
 
 
+# -- the rollback point: run the passes again instead of copying before each ---------------
+
+
+class CountCopies:
+    """Counts ``ir.Model.clone`` calls while installed; each takes at least ``seconds``."""
+
+    def __init__(self, monkeypatch, seconds: float = 0.0):
+        self.calls = 0
+        real_clone = ir.Model.clone
+
+        def counting_clone(model):
+            self.calls += 1
+            time.sleep(seconds)
+            return real_clone(model)
+
+        monkeypatch.setattr(ir.Model, "clone", counting_clone)
+
+
+class SlowInsertIdentityPass(InsertIdentityPass):
+    """Takes longer than copying the small test model, so a copy after it pays."""
+
+    name = "slow-insert-identity"
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        time.sleep(0.05)
+        return super().call(model)
+
+
+class AddsMoreNodesEachRunPass(OrtPass):
+    """Not deterministic: the n-th run adds n Neg nodes."""
+
+    name = "adds-more-each-run"
+
+    def __init__(self):
+        self.runs = 0
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        self.runs += 1
+        for _ in range(self.runs):
+            model.graph.append(ir.node("Neg", [model.graph.inputs[0]]))
+        return ir.passes.PassResult(model, True)
+
+
+@pytest.mark.parametrize("check", ["incremental", "none"])
+def test_fast_passes_are_run_again_on_rollback_instead_of_copied_before(relu_model, check, monkeypatch):
+    copies = CountCopies(monkeypatch, seconds=0.05)  # as if the model were large
+    passes = [InsertIdentityPass(), InsertIdentityPass(), ReluToMsGeluPass(), RaisesHalfwayPass()]
+    snapshots = SnapshotBeforeEachPass()
+    with pytest.raises(PassFailedError, match="boom") as info:
+        PassManager(passes, check=check, instruments=[snapshots])(relu_model)
+    # One copy of the caller's model for the first pass; the rollback rebuilt the model
+    # from another copy of it, with the three passes run again (tags included).
+    assert copies.calls == 2
+    assert ir.to_proto(info.value.model).SerializeToString() == snapshots.before["raises-halfway"]
+    assert op_types(info.value.model) == ["Identity", "Identity", "Gelu"]
+    assert "could not rebuild" not in str(info.value)
+
+
+@pytest.mark.parametrize("check", ["incremental", "none"])
+def test_a_pass_slower_than_a_copy_is_followed_by_a_copy(relu_model, check, monkeypatch):
+    copies = CountCopies(monkeypatch)
+    with pytest.raises(PassFailedError) as info:
+        PassManager([SlowInsertIdentityPass(), InsertIdentityPass(), RaisesHalfwayPass()], check=check)(relu_model)
+    # The caller's model, then the model after the slow pass; the rollback copies that
+    # copy and runs insert-identity again on it, not the slow pass.
+    assert copies.calls == 3
+    assert op_types(info.value.model) == ["Identity", "Identity", "Relu"]
+
+
+def test_a_pass_that_runs_differently_again_gets_the_earlier_model_back_and_says_so(relu_model):
+    passes = [InsertIdentityPass(), AddsMoreNodesEachRunPass(), RaisesHalfwayPass()]
+    with pytest.raises(PassFailedError, match="boom") as info:
+        PassManager(passes, check="none")(relu_model)
+    message = str(info.value)
+    assert "could not rebuild the model before the failing pass" in message
+    assert "running 'adds-more-each-run' again left 4 nodes, not 3" in message
+    assert "given back instead: the model given to the manager" in message
+    assert op_types(info.value.model) == ["Relu"]
+
+
+def test_in_the_full_mode_the_serialization_is_the_rollback_point(relu_model, monkeypatch):
+    passes = [InsertIdentityPass(), AddsMoreNodesEachRunPass(), RaisesHalfwayPass()]
+    copies = CountCopies(monkeypatch)
+    with pytest.raises(PassFailedError, match="boom") as info:
+        PassManager(passes, check="full")(relu_model)
+    # Nothing is run again: the model comes back from what the check serialized.
+    assert copies.calls == 1
+    assert op_types(info.value.model) == ["Identity", "Relu", "Neg"]
+    assert "could not rebuild" not in str(info.value)
+
+
 @pytest.mark.parametrize("check", ["full", "incremental"])
 def test_an_invalid_input_is_refused_before_blaming_a_pass(relu_model, check):
     relu_model.graph.append(ir.node("Relu", [ir.Value(name="dangling")]))
@@ -638,3 +730,36 @@ def test_the_cyclic_gc_is_paused_during_a_run_and_restored(relu_model, enabled_b
         assert gc.isenabled() == enabled_before
     finally:
         gc.enable()
+
+
+class NegInThenBranchPass(OrtPass):
+    """Puts a Neg after the output of the first node's then_branch (a node in a subgraph)."""
+
+    name = "neg-in-then-branch"
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        branch = model.graph.node(0).attributes["then_branch"].value
+        typed = {"type": ir.TensorType(ir.DataType.FLOAT), "shape": ir.Shape([2])}
+        neg = ir.node("Neg", [branch.outputs[0]], outputs=[ir.Value(name="then_negated", **typed)])
+        branch.append(neg)
+        branch.outputs[0] = neg.outputs[0]
+        return ir.passes.PassResult(model, True)
+
+
+def test_nodes_created_in_a_subgraph_are_counted_and_tagged():
+    x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([2]))
+    cond = ir.Value(name="cond", type=ir.TensorType(ir.DataType.BOOL), shape=ir.Shape([]))
+
+    def branch(op: str) -> ir.Graph:
+        node = ir.node(op, [x], outputs=[ir.Value(name=f"{op.lower()}_out", type=x.type, shape=x.shape)])
+        return ir.Graph([], [node.outputs[0]], nodes=[node], name=f"{op.lower()}_branch")
+
+    if_node = ir.node("If", [cond], attributes={"then_branch": branch("Relu"), "else_branch": branch("Abs")})
+    if_node.outputs[0].name, if_node.outputs[0].type, if_node.outputs[0].shape = "y", x.type, x.shape
+    graph = ir.Graph([cond, x], [if_node.outputs[0]], nodes=[if_node], opset_imports={"": 18}, name="main")
+    model = ir.Model(graph, ir_version=10)
+    result = PassManager([NegInThenBranchPass()])(model)
+    assert result.report["neg-in-then-branch"].added == {"Neg": 1}
+    then_branch = result.model.graph.node(0).attributes["then_branch"].value
+    assert [n.op_type for n in then_branch] == ["Relu", "Neg"]
+    assert then_branch.node(1).metadata_props[CREATED_BY_KEY] == "neg-in-then-branch"
