@@ -13,8 +13,8 @@ import time
 
 import onnx
 import onnx_ir as ir
-from onnx_ir.passes.common import IdentityEliminationPass
 import pytest
+from onnx_ir.passes.common import IdentityEliminationPass
 
 from ortpass import PassManager, PassReport
 from ortpass.errors import ModelLoadError, PassFailedError, PassOrderingError
