@@ -30,6 +30,7 @@ layers, after recompute level 1 and replay-dropout-mask): step peak 192 -> 188 M
 
 from __future__ import annotations
 
+import collections
 import heapq
 import logging
 
@@ -62,21 +63,48 @@ class _Sizes:
         return evaluate(symbolic_nbytes(value), self.dims)
 
 
-def exclusive_chain(value: ir.Value, join: ir.Node, position: dict[ir.Node, int]) -> list[ir.Node]:
-    """The backward nodes whose outputs reach only ``join``'s input ``value``, in graph order
-    (``position``: the graph position of every backward node, and of no other).
+class _Backward:
+    """The backward nodes of a graph, read in one walk: the graph position of each (and of
+    no other node) and the nodes that read its outputs.
+
+    Readers are gathered once per node and shared by the search for joins and the chain
+    walks, which before asked each producer again at every join that reads it.
+    """
+
+    def __init__(self, graph: ir.Graph) -> None:
+        self.position: dict[ir.Node, int] = {}
+        self.readers: dict[ir.Node, set[ir.Node]] = {}
+        for i, node in enumerate(graph):
+            if is_backward(node):
+                self.position[node] = i
+                self.readers[node] = {user for out in node.outputs for user, _ in out.uses()}
+
+    def joins(self) -> list[ir.Node]:
+        """The backward nodes that alone read the outputs of two or more backward nodes, in
+        graph order: only there can two exclusive chains meet (an exclusive chain starts at
+        a producer whose every reader is the join).  At 17.5k nodes, 1.4k of 16.5k."""
+        sole_reader_of = collections.Counter(
+            next(iter(readers)) for readers in self.readers.values() if len(readers) == 1
+        )
+        return [node for node in self.position if sole_reader_of[node] >= 2]
+
+
+def exclusive_chain(value: ir.Value, join: ir.Node, backward: _Backward) -> list[ir.Node]:
+    """The backward nodes whose outputs reach only ``join``'s input ``value``, in graph order.
 
     Nodes are taken consumers before producers (highest position first), so when a node
     is looked at, every chain node that reads it has been taken already.
     """
+    position, readers = backward.position, backward.readers
     chain: set[ir.Node] = set()
     start = value.producer()
-    heap = [(-position[start], id(start), start)] if start in position else []
+    if start not in position or readers[start] != {join}:
+        return []  # the join is not the producer's only reader: no chain (most inputs)
+    heap = [(-position[start], id(start), start)]
     seen = {start}
     while heap:
         _, _, node = heapq.heappop(heap)
-        readers = {user for out in node.outputs for user, _ in out.uses()}
-        if any(user is not join and user not in chain for user in readers):
+        if any(user is not join and user not in chain for user in readers[node]):
             continue
         chain.add(node)
         for inp in node.inputs:
@@ -90,7 +118,7 @@ def exclusive_chain(value: ir.Value, join: ir.Node, position: dict[ir.Node, int]
 def freed_bytes(chain: list[ir.Node], sizes: _Sizes, position: dict[ir.Node, int], start: int) -> int | None:
     """Bytes of the values ``chain`` reads last: every other backward reader of them comes
     before ``start`` (the position of the join's first chain node) in graph order
-    (``position``: as for :func:`exclusive_chain`)."""
+    (``position``: the graph position of every backward node, and of no other)."""
     members = set(chain)
     total = 0
     read: set[ir.Value] = set()
@@ -130,11 +158,9 @@ class OrderBackwardJoinsPass(OrtPass):
         graph = model.graph
         sizes = _Sizes(model)
         moves: list[tuple[ir.Node, list[ir.Node]]] = []
-        # Of backward nodes only: membership is the side test (one tag read per node, not
-        # one per visit: 87k at 17.5k nodes).
-        position = {node: i for i, node in enumerate(graph) if is_backward(node)}
-        for join in position:
-            chain = self._chain_to_run_first(join, position, sizes)
+        backward = _Backward(graph)
+        for join in backward.joins():
+            chain = self._chain_to_run_first(join, backward, sizes)
             if chain:
                 moves.append((join, chain))
         for join, chain in moves:
@@ -145,12 +171,11 @@ class OrderBackwardJoinsPass(OrtPass):
             _reorder(graph, moves)
         return ir.passes.PassResult(model, modified=bool(moves))
 
-    def _chain_to_run_first(self, join: ir.Node, position: dict[ir.Node, int], sizes: _Sizes) -> list[ir.Node] | None:
+    def _chain_to_run_first(self, join: ir.Node, backward: _Backward, sizes: _Sizes) -> list[ir.Node] | None:
         """The chain to move before ``join``, or None when ORT already walks the best one first."""
+        position = backward.position
         values = list(dict.fromkeys(v for v in join.inputs if v is not None and v.producer() in position))
-        if len(values) < 2:
-            return None  # one chain at most: 11.7k of the 16.5k backward nodes at 17.5k nodes
-        chains = [chain for v in values if (chain := exclusive_chain(v, join, position))]
+        chains = [chain for v in values if (chain := exclusive_chain(v, join, backward))]
         if len(chains) < 2 or len({id(n) for c in chains for n in c}) < sum(map(len, chains)):
             return None  # one chain, or chains sharing a node (it feeds the join twice)
         start = min(position[chain[0]] for chain in chains)
