@@ -17,6 +17,7 @@ import pytest
 from onnx_ir.passes.common import IdentityEliminationPass
 
 from ortpass import PassManager, PassReport
+from ortpass.checks import CheckedState
 from ortpass.errors import ModelLoadError, PassFailedError, PassOrderingError
 from ortpass.instruments import ProgressInstrument
 from ortpass.manager import ManagerResult, order_passes
@@ -763,3 +764,59 @@ def test_nodes_created_in_a_subgraph_are_counted_and_tagged():
     then_branch = result.model.graph.node(0).attributes["then_branch"].value
     assert [n.op_type for n in then_branch] == ["Relu", "Neg"]
     assert then_branch.node(1).metadata_props[CREATED_BY_KEY] == "neg-in-then-branch"
+
+
+# -- the incremental mode's final check -----------------------------------------------------
+
+
+@pytest.fixture
+def blind_incremental_check(monkeypatch):
+    """An incremental check that sees nothing, standing for what it cannot see (say, a
+    tensor changed in place): only the final check can catch a broken model then."""
+    monkeypatch.setattr("ortpass.manager.incremental_check", lambda model, previous: CheckedState.of(model))
+
+
+class BreaksTheModelOnlyTheFirstTimePass(ReadsUndefinedValuePass):
+    name = "breaks-only-once"
+
+    def __init__(self):
+        self.runs = 0
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        self.runs += 1
+        if self.runs == 1:
+            return super().call(model)
+        model.graph.append(ir.node("Neg", [model.graph.inputs[0]]))
+        return ir.passes.PassResult(model, True)
+
+
+def test_the_incremental_mode_ends_with_the_onnx_checker_once(relu_model, monkeypatch):
+    checked = []
+    real_check = onnx.checker.check_model
+    monkeypatch.setattr(onnx.checker, "check_model", lambda proto, *a, **k: (checked.append(len(proto.graph.node)), real_check(proto, *a, **k)))
+    report = PassManager([InsertIdentityPass(), InsertIdentityPass(), NoOpPass()], check="incremental")(relu_model).report
+    assert checked == [3]  # the output only
+    assert report.final_check_seconds > 0
+    assert report.total_seconds >= report.final_check_seconds
+    assert PassReport.from_json(report.to_json()).final_check_seconds == report.final_check_seconds
+    checked.clear()
+    assert PassManager([NoOpPass()], check="incremental")(relu_model).report.final_check_seconds == 0
+    assert checked == []  # nothing changed: nothing to check
+
+
+def test_the_final_check_names_the_pass_the_incremental_checks_let_through(relu_model, blind_incremental_check):
+    snapshots = SnapshotBeforeEachPass()
+    passes = [InsertIdentityPass(), ReadsUndefinedValuePass(), NoOpPass(), ReluToMsGeluPass()]
+    with pytest.raises(PassFailedError, match="after this pass \\(the final check found it\\).*never_defined") as info:
+        PassManager(passes, check="incremental", instruments=[snapshots])(relu_model)
+    error = info.value
+    assert error.pass_name == "reads-undefined"
+    assert ir.to_proto(error.model).SerializeToString() == snapshots.before["reads-undefined"]
+    assert [(r.name, r.failed) for r in error.report.records] == [("insert-identity", False), ("reads-undefined", True)]
+    assert op_types(relu_model) == ["Relu"]
+
+
+def test_the_final_check_says_so_when_no_pass_can_be_blamed(relu_model, blind_incremental_check):
+    with pytest.raises(PassFailedError, match="yet no pass's output did when the passes ran again") as info:
+        PassManager([InsertIdentityPass(), BreaksTheModelOnlyTheFirstTimePass()], check="incremental")(relu_model)
+    assert op_types(info.value.model) == ["Relu"]  # nothing applied
