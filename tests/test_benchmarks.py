@@ -37,6 +37,10 @@ def test_scaling_times_ortpass_and_ort_on_the_smallest_decoder():
     assert "| fix-dropout-seed | recompute | replay-dropout-mask | order-backward-joins |" in table[header]
     assert table[header + 2].count("|") == table[header].count("|")  # a cell per column
     assert passes["recompute"]["modified"] and passes["recompute"]["nodes_after"] > passes["recompute"]["nodes_before"]
+    by_mode = result["post_grad_by_check_mode"]
+    assert list(by_mode) == ["full", "incremental", "none"]
+    assert all(t["wall_seconds"] >= t["pass_seconds"] > 0 for t in by_mode.values())
+    assert by_mode["none"]["check_seconds"] == 0 < by_mode["incremental"]["check_seconds"]
     ort = result["ort"]
     # ORT's analysis finds plans on the same training graph (the one before recompute).
     assert ort["plans"] and ort["analysis_seconds"] > 0
