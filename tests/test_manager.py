@@ -279,7 +279,7 @@ def test_a_pass_that_changed_nothing_is_not_checked_again(relu_model, monkeypatc
     checked = []
     real_check = onnx.checker.check_model
     monkeypatch.setattr(onnx.checker, "check_model", lambda proto, *a, **k: (checked.append(len(proto.graph.node)), real_check(proto, *a, **k)))
-    report = PassManager([InsertIdentityPass(), NoOpPass()])(relu_model).report
+    report = PassManager([InsertIdentityPass(), NoOpPass()], check="full")(relu_model).report
     assert checked == [1, 2]  # the input, then insert-identity's output; no-op: trusted
     assert report["no-op"].check_seconds == 0
 
@@ -503,15 +503,21 @@ def test_the_incremental_check_looks_again_only_at_new_and_changed_nodes(relu_mo
 
     monkeypatch.setattr(onnx.checker.C, "check_node", check_node)
     PassManager([InsertIdentityPass(), InsertIdentityPass()], check="incremental")(relu_model)
-    # The input's Relu; the first Identity and the Relu now reading it; the second
-    # Identity and the first one, now reading it.  The Relu, which the second pass left
-    # alone, is not checked again.
-    assert checked_ops == ["Relu", "Identity", "Relu", "Identity", "Identity"]
+    # (The input and the output go through the onnx checker itself.)  The first Identity
+    # and the Relu now reading it; the second Identity and the first one, now reading it.
+    # The Relu, which the second pass left alone, is not checked again.
+    assert checked_ops == ["Identity", "Relu", "Identity", "Identity"]
 
 
 def test_an_unknown_check_mode_is_refused():
     with pytest.raises(ValueError, match="check must be"):
         PassManager([NoOpPass()], check="quick")
+
+
+def test_check_modes_by_name_and_by_bool():
+    assert PassManager([]).check == "incremental"
+    assert PassManager([], check=True).check == "full"
+    assert PassManager([], check=False).check == "none"
 
 
 def test_the_manager_nests_inside_an_onnx_ir_pass_manager(relu_model):
@@ -795,13 +801,13 @@ def test_the_incremental_mode_ends_with_the_onnx_checker_once(relu_model, monkey
     real_check = onnx.checker.check_model
     monkeypatch.setattr(onnx.checker, "check_model", lambda proto, *a, **k: (checked.append(len(proto.graph.node)), real_check(proto, *a, **k)))
     report = PassManager([InsertIdentityPass(), InsertIdentityPass(), NoOpPass()], check="incremental")(relu_model).report
-    assert checked == [3]  # the output only
+    assert checked == [1, 3]  # the input and the output, not what the passes gave each other
     assert report.final_check_seconds > 0
     assert report.total_seconds >= report.final_check_seconds
     assert PassReport.from_json(report.to_json()).final_check_seconds == report.final_check_seconds
     checked.clear()
     assert PassManager([NoOpPass()], check="incremental")(relu_model).report.final_check_seconds == 0
-    assert checked == []  # nothing changed: nothing to check
+    assert checked == [1]  # the input; nothing changed, so nothing more to check
 
 
 def test_the_final_check_names_the_pass_the_incremental_checks_let_through(relu_model, blind_incremental_check):
