@@ -106,12 +106,13 @@ def get_training_info(model: ir.Model) -> TrainingInfo:
         raise TrainingGraphError(f"model metadata {TRAINING_KEY!r} is malformed: {exc}") from exc
 
 
-def get_partition(model: ir.Model) -> Partition:
-    """Read the forward/backward partition of a training graph."""
+def get_partition(model: ir.Model, nodes: Iterable[ir.Node] | None = None) -> Partition:
+    """Read the forward/backward partition of a training graph (``nodes``: its graph's
+    nodes in order, when the caller has them already; default: walk the graph)."""
     get_training_info(model)  # raises a clear error for a non-training graph
     forward: list[ir.Node] = []
     backward: list[ir.Node] = []
-    for node in model.graph:
+    for node in model.graph if nodes is None else nodes:
         side = node.metadata_props.get(SIDE_KEY)
         if side == "forward":
             forward.append(node)
@@ -122,7 +123,7 @@ def get_partition(model: ir.Model) -> Partition:
                 f"node {node.name!r} ({node.op_type}) has no {SIDE_KEY!r} tag; passes that add "
                 "nodes to a training graph must tag them with ortpass.analysis.partition.tag"
             )
-    return Partition(forward, backward, _stashed_values(forward))
+    return Partition(forward, backward, _stashed_values(forward, set(backward)))
 
 
 def _consumer_nodes(value: ir.Value) -> Iterable[ir.Node]:
@@ -133,10 +134,15 @@ def _consumer_nodes(value: ir.Value) -> Iterable[ir.Node]:
             yield node
 
 
-def _stashed_values(forward: list[ir.Node]) -> list[ir.Value]:
-    return [
-        out
-        for node in forward
-        for out in node.outputs
-        if any(user.metadata_props.get(SIDE_KEY) == "backward" for user, _ in out.uses())
-    ]
+def _stashed_values(forward: list[ir.Node], backward: set[ir.Node]) -> list[ir.Value]:
+    """The outputs of ``forward`` that a backward node reads.  ``backward``: the graph's
+    backward nodes; a set lookup instead of a tag read per reader halves the time.  A
+    reader outside the graph (a node removed without detaching it) is asked for its tag."""
+    forward_set = set(forward)
+
+    def read_by_backward(out: ir.Value) -> bool:
+        return any(
+            user in backward or (user not in forward_set and is_backward(user)) for user, _ in out.uses()
+        )
+
+    return [out for node in forward for out in node.outputs if read_by_backward(out)]

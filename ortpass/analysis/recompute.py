@@ -340,6 +340,7 @@ class _Analysis:
     def __init__(
         self,
         model: ir.Model,
+        nodes: Sequence[ir.Node],
         partition: Partition,
         probe_level: int,
         layer_boundary: bool,
@@ -355,7 +356,7 @@ class _Analysis:
         self.max_nodes = max_nodes
         self.min_elements = min_elements
         self.opsets = dict(model.opset_imports)
-        self.positions = {node: i for i, node in enumerate(model.graph)}
+        self.positions = {node: i for i, node in enumerate(nodes)}
         self.buffers = memory.BufferMap()
         self.stashed_set = set(partition.stashed)
         self.layers: LayerBoundaries = find_layer_boundaries(partition.forward)
@@ -420,6 +421,8 @@ class _Analysis:
         return self._numel_cache[value]
 
     def below_floor(self, value: ir.Value) -> bool:
+        if self.min_elements <= 0:
+            return False  # no element count is below a floor of 0: skip counting
         numel = self.static_numel(value)
         return numel is not None and numel < self.min_elements
 
@@ -614,6 +617,9 @@ class _Analysis:
                 and not any(user in members or user in own for user, _ in value.uses())
                 and not self.droppable(value)
             ]
+            if not unread:  # most occurrences: nothing to charge
+                charged.append(occ)
+                continue
             sizes = [self.nbytes(v) for v in unread]
             if None in sizes:
                 name = unread[sizes.index(None)].name
@@ -621,7 +627,7 @@ class _Analysis:
                 charged.append(SkippedCandidate(occ.entry, reason))
                 continue
             saving = occ.symbolic_saving - sympy.Add(*sizes)  # type: ignore[arg-type]
-            if unread and saving.is_nonpositive:
+            if saving.is_nonpositive:
                 names = ", ".join(repr(v.name) for v in unread)
                 charged.append(SkippedCandidate(
                     occ.entry,
@@ -629,9 +635,7 @@ class _Analysis:
                     "more memory than recompute frees",
                 ))
                 continue
-            if unread:
-                occ = dataclasses.replace(occ, symbolic_saving=saving, saving_bytes=memory.evaluate(saving, self.dims))
-            charged.append(occ)
+            charged.append(dataclasses.replace(occ, symbolic_saving=saving, saving_bytes=memory.evaluate(saving, self.dims)))
         return charged
 
     def occurrences(self, entry: ir.Node, outputs: list[ir.Value]) -> tuple[Occurrence | str, Occurrence | str]:
@@ -752,12 +756,13 @@ def find_recompute_candidates(
     """
     if probe_level not in (ProbeLevel.BASIC, ProbeLevel.ADVANCED):
         raise ValueError(f"probe_level must be 0 (basic) or 1 (advanced, ORT's default), not {probe_level!r}")
-    partition = get_partition(training_model)
+    nodes = list(training_model.graph)  # one walk of onnx_ir's linked list, shared
+    partition = get_partition(training_model, nodes)
     symbols = memory.graph_dim_params(partition.stashed)  # once: dims resolution and the notes need it
     resolved_dims, dims_source = _resolve_dims(training_model, dims, symbols)
     resolved_dims, notes = _bind_internal_dims(training_model, resolved_dims, symbols)
     analysis = _Analysis(
-        training_model, partition, probe_level, layer_boundary, resolved_dims, max_nodes, min_elements
+        training_model, nodes, partition, probe_level, layer_boundary, resolved_dims, max_nodes, min_elements
     )
     found: list[Occurrence] = []
     skipped: list[SkippedCandidate] = []
