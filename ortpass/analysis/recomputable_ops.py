@@ -54,6 +54,7 @@ __all__ = [
     "node_opset",
     "since_version",
     "is_optional_output",
+    "optional_outputs",
 ]
 
 logger = logging.getLogger(__name__)
@@ -191,24 +192,28 @@ def since_version(domain: str, op_type: str, opset: int) -> int | None:
 
 
 @functools.lru_cache(maxsize=None)
-def _optional_outputs(op_type: str, opset: int) -> tuple[bool, ...]:
+def _optional_outputs(op_type: str, opset: int) -> frozenset[int]:
     try:
         schema = onnx.defs.get_schema(op_type, max_inclusive_version=opset, domain="")
     except onnx.defs.SchemaError:
-        return ()
+        return frozenset()
     option = onnx.defs.OpSchema.FormalParameterOption
     if any(o.option == option.Variadic for o in schema.outputs):
-        return ()
-    return tuple(o.option == option.Optional for o in schema.outputs)
+        return frozenset()
+    return frozenset(i for i, o in enumerate(schema.outputs) if o.option == option.Optional)
 
 
 #: Optional outputs of ORT contrib ops, from ORT 1.19.2's schemas (onnx does not ship them):
 #: the dropout variants' mask.
-_MS_OPTIONAL_OUTPUTS = {"BitmaskDropout": (1,), "BiasDropout": (1,), "BitmaskBiasDropout": (1,)}
+_MS_OPTIONAL_OUTPUTS = {
+    "BitmaskDropout": frozenset({1}),
+    "BiasDropout": frozenset({1}),
+    "BitmaskBiasDropout": frozenset({1}),
+}
 
 
-def is_optional_output(node: ir.Node, index: int, opset_imports: Mapping[str, int]) -> bool:
-    """True when the schema of ``node`` marks output ``index`` optional: a Dropout's mask,
+def optional_outputs(node: ir.Node, opset_imports: Mapping[str, int]) -> frozenset[int]:
+    """The indices of the outputs the schema of ``node`` marks optional: a Dropout's mask,
     LayerNormalization's Mean and InvStdDev.  Default-domain schemas come from onnx;
     com.microsoft ones from a short table (the dropout variants).  The recompute pass drops
     an optional output nobody reads, and its analysis counts on that.  (onnx_ir's
@@ -217,15 +222,20 @@ def is_optional_output(node: ir.Node, index: int, opset_imports: Mapping[str, in
     """
     domain = _normalize_domain(node.domain)
     if domain == MS_DOMAIN:
-        return index in _MS_OPTIONAL_OUTPUTS.get(node.op_type, ())
+        return _MS_OPTIONAL_OUTPUTS.get(node.op_type, frozenset())
     if domain != "" or node.op_type == "BatchNormalization":
         # BatchNormalization's optional outputs select its training behaviour.
-        return False
+        return frozenset()
     opset = node_opset(node, opset_imports)
     if opset is None:
-        return False
-    optional = _optional_outputs(node.op_type, opset)
-    return index < len(optional) and optional[index]
+        return frozenset()
+    return _optional_outputs(node.op_type, opset)
+
+
+def is_optional_output(node: ir.Node, index: int, opset_imports: Mapping[str, int]) -> bool:
+    """True when the schema of ``node`` marks output ``index`` optional (see
+    :func:`optional_outputs`)."""
+    return index in optional_outputs(node, opset_imports)
 
 
 def lookup_recomputable(

@@ -86,7 +86,7 @@ import onnx_ir as ir
 from ortpass.analysis.cache import AnalysisCache
 from ortpass.analysis.partition import SIDE_KEY, is_backward
 from ortpass.analysis.plans import PlanSpec, PlanType, load_plan_file, parse_plans
-from ortpass.analysis.recomputable_ops import MS_DOMAIN, ProbeLevel, is_optional_output
+from ortpass.analysis.recomputable_ops import MS_DOMAIN, ProbeLevel, optional_outputs
 from ortpass.analysis.recompute import Occurrence, RecomputeReport, find_recompute_candidates
 from ortpass.errors import PlanError
 from ortpass.passes import recompute_pythonop
@@ -418,8 +418,10 @@ def _drop_what_nobody_reads(model: ir.Model, originals: Sequence[ir.Node], clone
     for node in [*originals, *clones]:
         if node in dead:
             continue
-        for out in node.outputs:
-            if out.name and unread(out, dead) and is_optional_output(node, out.index(), opsets):
+        # Asked per node first: most ops have no optional output, and readers cost more.
+        for index in optional_outputs(node, opsets):
+            out = node.outputs[index] if index < len(node.outputs) else None
+            if out is not None and out.name and unread(out, dead):
                 out.name = ""  # an omitted optional output
         kept = len(node.outputs)
         while kept > 1 and not node.outputs[kept - 1].name:
