@@ -522,7 +522,7 @@ class PassManager(ir.passes.FunctionalPass):
             Without the full check's serialization to go back to, a failing pass's input
             is rebuilt by running the passes before it again from the latest copy (see
             :mod:`ortpass.rollback`): the manager copies the model only where that would
-            take longer than the copy.  This assumes passes are deterministic.
+            take longer than ten copies.  This assumes passes are deterministic.
 
             The pass's own ``ensures`` postconditions run through onnx_ir's
             ``PassBase.__call__`` in every mode.

@@ -353,7 +353,7 @@ class CountCopies:
 
 
 class SlowInsertIdentityPass(InsertIdentityPass):
-    """Takes longer than copying the small test model, so a copy after it pays."""
+    """Takes far longer than ten copies of the small test model, so a copy after it pays."""
 
     name = "slow-insert-identity"
 
@@ -393,7 +393,7 @@ def test_fast_passes_are_run_again_on_rollback_instead_of_copied_before(relu_mod
 
 
 @pytest.mark.parametrize("check", ["incremental", "none"])
-def test_a_pass_slower_than_a_copy_is_followed_by_a_copy(relu_model, check, monkeypatch):
+def test_a_pass_much_slower_than_a_copy_is_followed_by_a_copy(relu_model, check, monkeypatch):
     copies = CountCopies(monkeypatch)
     with pytest.raises(PassFailedError) as info:
         PassManager([SlowInsertIdentityPass(), InsertIdentityPass(), RaisesHalfwayPass()], check=check)(relu_model)
