@@ -318,8 +318,9 @@ class PassReport:
         if self.records:
             first, last = self.records[0], self.records[-1]
             nodes_after = last.nodes_before if last.failed else last.nodes_after
+            final_check = f" (final check {self.final_check_seconds * 1000:.1f})" if self.final_check_seconds else ""
             lines.append(
-                f"total: {len(self.records)} passes, {self.total_seconds * 1000:.1f} ms, "
+                f"total: {len(self.records)} passes, {self.total_seconds * 1000:.1f} ms{final_check}, "
                 f"nodes {first.nodes_before} -> {nodes_after}"
             )
         else:

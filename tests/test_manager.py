@@ -805,6 +805,7 @@ def test_the_incremental_mode_ends_with_the_onnx_checker_once(relu_model, monkey
     assert report.final_check_seconds > 0
     assert report.total_seconds >= report.final_check_seconds
     assert PassReport.from_json(report.to_json()).final_check_seconds == report.final_check_seconds
+    assert f"(final check {report.final_check_seconds * 1000:.1f})" in report.to_table().splitlines()[-1]
     checked.clear()
     assert PassManager([NoOpPass()], check="incremental")(relu_model).report.final_check_seconds == 0
     assert checked == [1]  # the input; nothing changed, so nothing more to check
