@@ -4,8 +4,9 @@ after each one, rolls back a failing pass, and reports what every pass did.
 :class:`PassManager` is itself an ``onnx_ir`` :class:`~onnx_ir.passes.FunctionalPass`: the
 model it is given is never changed (the first in-place pass gets a copy; the passes after
 it rewrite that copy, and :mod:`ortpass.rollback` rebuilds what a failing pass was given),
-it returns a new model, and it can be nested inside any onnx_ir ``PassManager``.  Its result is a :class:`ManagerResult`, an ``onnx_ir`` ``PassResult`` that
-also carries the :class:`PassReport`.
+it returns a new model, and it can be nested inside any onnx_ir ``PassManager``.  Its
+result is a :class:`ManagerResult`, an ``onnx_ir`` ``PassResult`` that also carries the
+:class:`PassReport`.
 
 Ordering rules, from the declarations in :mod:`ortpass.passes.base`:
 
@@ -589,7 +590,7 @@ class PassManager(ir.passes.FunctionalPass):
                 current, checked = self._run_pass(
                     position, pass_, current, report, checked, cache, point, owned=current is not model
                 )
-            if self.check == "incremental" and report.modified:
+            if self.check == "incremental" and not all(map(self._unchanged, report.records)):
                 self._final_check(model, current, report)
         finally:
             self._notify("run_end", current, report)

@@ -823,6 +823,13 @@ def test_the_final_check_names_the_pass_the_incremental_checks_let_through(relu_
     assert op_types(relu_model) == ["Relu"]
 
 
+def test_the_final_check_also_looks_after_a_pass_that_says_unchanged_but_added_nodes(relu_model, blind_incremental_check):
+    with pytest.raises(PassFailedError, match="the final check found it.*never_defined") as info:
+        PassManager([ReadsUndefinedButSaysUnchangedPass()], check="incremental")(relu_model)
+    assert info.value.pass_name == "lies-about-changes"
+    assert op_types(info.value.model) == ["Relu"]
+
+
 def test_the_final_check_says_so_when_no_pass_can_be_blamed(relu_model, blind_incremental_check):
     with pytest.raises(PassFailedError, match="yet no pass's output did when the passes ran again") as info:
         PassManager([InsertIdentityPass(), BreaksTheModelOnlyTheFirstTimePass()], check="incremental")(relu_model)
