@@ -43,17 +43,67 @@ def full_check(model: ir.Model) -> onnx.ModelProto:
 
 
 def _fingerprint(node: ir.Node) -> tuple:
-    """What ``onnx.checker.check_node`` reads of ``node`` once serialized: op, domain,
-    overload, input and output names, and the attributes (by identity: ``ir.Attr`` is
-    immutable, so a changed attribute is a new object)."""
+    """What ``onnx.checker.check_node`` reads of ``node`` once serialized, held so that a
+    change shows: op, domain, overload, the input and output values, and the attributes
+    (by identity: ``ir.Attr`` is immutable, so a changed attribute is a new object).
+
+    The values are held by identity, not by name: ``check_node`` reads of a name only
+    whether it is empty (an absent input), and :func:`_check_names`, which runs over the
+    whole graph every time, hands back every node with an empty name to be checked.
+    Reading every name made this the costliest part of an incremental check.
+    """
     return (
         node.op_type,
         node.domain,
         node.overload,
-        tuple(None if v is None else v.name for v in node.inputs),
-        tuple(v.name for v in node.outputs),
-        tuple(map(id, node.attributes.values())),
+        node.inputs,  # tuples, replaced (not changed) when the node is rewired or resized
+        node.outputs,
+        # (Most nodes have none, and iterating an empty onnx_ir Attributes still costs.)
+        tuple(map(id, node.attributes.values())) if node.attributes else (),
     )
+
+
+def _signature(node: ir.Node, keep_alive: list) -> tuple:
+    """Everything of ``node`` that ``check_node`` decides on: op, domain, overload, which
+    inputs and outputs are present, and the attributes by value.  ``check_node`` reads
+    nothing else (a node's name appears only in its messages), so a node whose signature
+    it accepted once is accepted again, while the IR version and the opset imports stay
+    the same.  Recompute clones and the layers of a deep model share signatures: on a
+    17.5k-node training graph the recompute pass adds 5.6k nodes and rewires more, 9.6k
+    nodes to check, and they have 403 signatures (a Dropout's seed makes each its own).
+    """
+    return (
+        node.op_type,
+        node.domain,
+        node.overload,
+        tuple(v is not None and v.name != "" for v in node.inputs),
+        tuple(v.name != "" for v in node.outputs),
+        tuple(_attribute_key(attr, keep_alive) for attr in node.attributes.values()),
+    )
+
+
+_PLAIN_ATTRIBUTES = (ir.AttributeType.INT, ir.AttributeType.FLOAT, ir.AttributeType.STRING)
+_PLAIN_LIST_ATTRIBUTES = (ir.AttributeType.INTS, ir.AttributeType.FLOATS, ir.AttributeType.STRINGS)
+
+
+def _attribute_key(attr: ir.Attr, keep_alive: list) -> tuple:
+    """An attribute by value where the value is a number, a string or a list of them; by
+    identity otherwise (a tensor: comparing it would cost as much as checking it), the
+    object kept alive in ``keep_alive`` so that no other can take its id."""
+    if not attr.is_ref():
+        if attr.type in _PLAIN_ATTRIBUTES:
+            return (attr.name, attr.type, attr.value)
+        if attr.type in _PLAIN_LIST_ATTRIBUTES:
+            return (attr.name, attr.type, tuple(attr.value))
+    keep_alive.append(attr)
+    return (attr.name, attr.type, id(attr))
+
+
+def _io_fingerprint(value: ir.Value) -> tuple:
+    """What ``check_value_info`` reads of a graph input or output: its name and type, and
+    its shape's dims (an ``ir.Shape`` can change in place)."""
+    shape = value.shape
+    return (value.name, value.type, None if shape is None else tuple(shape.dims))
 
 
 @dataclasses.dataclass
@@ -67,6 +117,12 @@ class CheckedState:
     # The attributes whose ids are in the fingerprints, kept alive so no new attribute
     # can be given the id of a checked one.
     attributes: list[tuple[ir.Attr, ...]]
+    # Graph inputs and outputs -> what check_value_info accepted of them.
+    io: dict[ir.Value, tuple] = dataclasses.field(default_factory=dict)
+    # The node signatures check_node accepted under this IR version and these opsets,
+    # and the attributes their keys name by id.
+    signatures: set[tuple] = dataclasses.field(default_factory=set)
+    signature_attributes: list[ir.Attr] = dataclasses.field(default_factory=list)
 
     @classmethod
     def of(cls, model: ir.Model) -> CheckedState:
@@ -74,9 +130,19 @@ class CheckedState:
         attributes = []
         for node in model.graph:
             nodes[node] = _fingerprint(node)
-            attributes.append(tuple(node.attributes.values()))
+            if node.attributes:
+                attributes.append(tuple(node.attributes.values()))
         tensors = {name: value.const_value for name, value in model.graph.initializers.items()}
-        return cls(model.ir_version, dict(model.opset_imports), nodes, tensors, attributes)
+        io = {value: _io_fingerprint(value) for value in (*model.graph.inputs, *model.graph.outputs)}
+        return cls(model.ir_version, dict(model.opset_imports), nodes, tensors, attributes, io)
+
+    def rebased(self, model: ir.Model) -> CheckedState:
+        """The state of ``model``, a copy of the model this state was taken of: the copy's
+        nodes count as checked, and the signatures accepted stay accepted."""
+        state = CheckedState.of(model)
+        state.signatures = self.signatures
+        state.signature_attributes = self.signature_attributes
+        return state
 
 
 #: What a check accepted: the serialized model (full), the state of an incremental
@@ -91,31 +157,39 @@ def incremental_check(model: ir.Model, previous: CheckedState | None) -> Checked
 
     Checked on the IR, without serializing the model: the checker's rules on names over
     the whole graph (see :func:`_check_names`), ``check_value_info`` on the graph inputs
-    and outputs, ``check_tensor`` on initializers that are new, and ``check_node`` on
-    nodes that are new or whose op, domain, overload, attributes, or input or output
-    names changed.  ``check_node`` reads nothing else of a node but the model's IR
-    version and opset imports, so a node it accepted is still accepted while those stay
-    the same.  Falls back to :func:`_full_check` when the IR version or the opset imports
-    changed, the model has functions, a checked node holds a subgraph (its check needs
-    the enclosing scope, which onnx's Python API does not take), or the IR version is 3
-    or older (initializers must then be graph inputs).
+    and outputs that are new or changed, ``check_tensor`` on initializers that are new,
+    and ``check_node`` on nodes that are new or whose op, domain, overload, attributes,
+    or inputs or outputs changed, unless it accepted a node of the same signature before
+    (see :func:`_signature`).  ``check_node`` reads nothing else of a node but the
+    model's IR version and opset imports, so a node it accepted is still accepted while
+    those stay the same.  Falls back to :func:`full_check` when the IR version or the
+    opset imports changed, the model has functions, a checked node holds a subgraph (its
+    check needs the enclosing scope, which onnx's Python API does not take), or the IR
+    version is 3 or older (initializers must then be graph inputs).
     """
     state = CheckedState.of(model)
     changed = [n for n, fp in state.nodes.items() if previous is None or previous.nodes.get(n) != fp]
     if _needsfull_check(model, state, previous, changed):
         full_check(model)
         return state
+    if previous is not None:
+        state.signatures = previous.signatures
+        state.signature_attributes = previous.signature_attributes
     ctx = onnx.checker.C.CheckerContext()
     ctx.ir_version = model.ir_version
     ctx.opset_imports = state.opsets
-    _check_names(model.graph)
-    for value in (*model.graph.inputs, *model.graph.outputs):
-        onnx.checker.check_value_info(ir.serde.serialize_value(value), ctx)
+    changed.extend(_check_names(model.graph))
+    for value, fingerprint in state.io.items():
+        if previous is None or previous.io.get(value) != fingerprint:
+            onnx.checker.check_value_info(ir.serde.serialize_value(value), ctx)
     for name, tensor in state.tensors.items():
         if tensor is not None and (previous is None or previous.tensors.get(name) is not tensor):
             onnx.checker.check_tensor(ir.serde.serialize_tensor(tensor), ctx)
     for node in changed:
-        _check_node(node, ctx)
+        signature = _signature(node, state.signature_attributes)
+        if signature not in state.signatures:
+            _check_node(node, ctx)
+            state.signatures.add(signature)
     return state
 
 
@@ -139,7 +213,7 @@ def _check_node(node: ir.Node, ctx: Any) -> None:
         ) from exc
 
 
-def _check_names(graph: ir.Graph) -> None:
+def _check_names(graph: ir.Graph) -> list[ir.Node]:
     """onnx.checker's rules on value names (``check_graph`` in onnx's checker.cc), on the
     IR: graph input names are unique, every non-empty input name of a node is a graph
     input, an initializer or an output of an earlier node (topological order), every
@@ -147,8 +221,13 @@ def _check_names(graph: ir.Graph) -> None:
     defined.  Written here because onnx checks names only on a serialized graph, which
     is what this check avoids building; onnx_ir has no such check.  A value without a
     name cannot be serialized at all, so it is refused too.
+
+    Returns the nodes with a value named "" (read by the checker as an absent input or
+    output, which ``check_node`` refuses where the op requires one), for ``check_node``
+    to see whatever their fingerprint says.
     """
     defined: set[str] = set()
+    unnamed: list[ir.Node] = []
     for value in graph.inputs:
         if _serialized_name(value) in defined:
             raise onnx.checker.ValidationError(
@@ -159,14 +238,22 @@ def _check_names(graph: ir.Graph) -> None:
     defined.update(graph.initializers)
     for node in graph:
         for value in node.inputs:
-            if value is not None and _serialized_name(value) and value.name not in defined:
+            if value is None:
+                continue
+            name = value.name
+            if not name:
+                _serialized_name(value)  # refuses None
+                unnamed.append(node)
+            elif name not in defined:
                 raise onnx.checker.ValidationError(
                     f"Nodes in a graph must be topologically sorted, however input '{value.name}' of node: "
                     f"name: {node.name} OpType: {node.op_type} is not output of any previous nodes."
                 )
         for value in node.outputs:
-            name = _serialized_name(value)
+            name = value.name
             if not name:
+                _serialized_name(value)  # refuses None
+                unnamed.append(node)
                 continue
             if name in defined:
                 raise onnx.checker.ValidationError(
@@ -177,6 +264,7 @@ def _check_names(graph: ir.Graph) -> None:
     for value in graph.outputs:
         if _serialized_name(value) not in defined:
             raise onnx.checker.ValidationError(f"Graph output '{value.name}' is not an output of any node in graph.")
+    return unnamed
 
 
 def _serialized_name(value: ir.Value) -> str:

@@ -715,7 +715,7 @@ class PassManager(ir.passes.FunctionalPass):
             return model, lambda: (model, None), checked  # a functional pass leaves its input alone
         if not owned:
             work = point.copy(model)
-            rebased = CheckedState.of(work) if isinstance(checked, CheckedState) else checked
+            rebased = checked.rebased(work) if isinstance(checked, CheckedState) else checked
             return work, lambda: (model, None), rebased
         point.copy_if_cheaper(model)
         return model, lambda: point.rebuild(self._run_again), checked

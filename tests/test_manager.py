@@ -16,7 +16,7 @@ import onnx_ir as ir
 import pytest
 from onnx_ir.passes.common import IdentityEliminationPass
 
-from ortpass import PassManager, PassReport
+from ortpass import PassManager, PassReport, checks
 from ortpass.checks import CheckedState
 from ortpass.errors import ModelLoadError, PassFailedError, PassOrderingError
 from ortpass.instruments import ProgressInstrument
@@ -467,12 +467,14 @@ class _BreaksModel(OrtPass):
         elif self.how == "unnamed-value":
             graph.append(ir.node("Neg", [graph.inputs[0]]))
             graph.node(1).outputs[0].name = None
+        elif self.how == "required-input-named-empty":  # no node changes, only a name
+            graph.node(0).outputs[0].name = ""
         return ir.passes.PassResult(model, True)
 
 
 BREAKAGES = [
     "duplicate-output-name", "unknown-attribute-on-an-old-node", "unknown-op", "wrong-input-count", "out-of-order",
-    "undefined-graph-output", "unimported-domain", "opset-too-old", "unnamed-value",
+    "undefined-graph-output", "unimported-domain", "opset-too-old", "unnamed-value", "required-input-named-empty",
 ]
 
 
@@ -493,20 +495,76 @@ def test_the_incremental_check_gives_the_same_model_as_the_full_one(relu_model):
     assert [r.name for r in incremental.report.records] == [r.name for r in full.report.records]
 
 
-def test_the_incremental_check_looks_again_only_at_new_and_changed_nodes(relu_model, monkeypatch):
-    checked_ops = []
-    real_check_node = onnx.checker.C.check_node
+@pytest.fixture
+def spy_incremental_check(monkeypatch):
+    """The op types of the nodes the incremental checks looked at, and of those they
+    asked onnx's ``check_node`` about."""
+    looked_at, asked = [], []
+    real_signature, real_check_node = checks._signature, onnx.checker.C.check_node
+
+    def signature(node, keep_alive):
+        looked_at.append(node.op_type)
+        return real_signature(node, keep_alive)
 
     def check_node(data, *args):
-        checked_ops.append(onnx.NodeProto.FromString(data).op_type)
+        asked.append(onnx.NodeProto.FromString(data).op_type)
         return real_check_node(data, *args)
 
+    monkeypatch.setattr(checks, "_signature", signature)
     monkeypatch.setattr(onnx.checker.C, "check_node", check_node)
+    return looked_at, asked
+
+
+def test_the_incremental_check_looks_again_only_at_new_and_changed_nodes(relu_model, spy_incremental_check):
+    looked_at, asked = spy_incremental_check
     PassManager([InsertIdentityPass(), InsertIdentityPass()], check="incremental")(relu_model)
     # (The input and the output go through the onnx checker itself.)  The first Identity
     # and the Relu now reading it; the second Identity and the first one, now reading it.
-    # The Relu, which the second pass left alone, is not checked again.
-    assert checked_ops == ["Identity", "Relu", "Identity", "Identity"]
+    # The Relu, which the second pass left alone, is not looked at again.
+    assert looked_at == ["Identity", "Relu", "Identity", "Identity"]
+    # check_node decides on a node's op, attributes and which inputs are present: the
+    # second pass's nodes are like ones it accepted already.
+    assert asked == ["Identity", "Relu"]
+
+
+class InsertLeakyReluPass(OrtPass):
+    """Puts a LeakyRelu with the given alpha in front of the first node."""
+
+    name = "insert-leaky-relu"
+
+    def __init__(self, alpha: float):
+        self.alpha = alpha
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        first = model.graph.node(0)
+        leaky = ir.node("LeakyRelu", [first.inputs[0]], attributes={"alpha": self.alpha})
+        model.graph.insert_before(first, leaky)
+        first.replace_input_with(0, leaky.outputs[0])
+        return ir.passes.PassResult(model, True)
+
+
+def test_a_node_with_other_attribute_values_is_checked_again(relu_model, spy_incremental_check):
+    _, asked = spy_incremental_check
+    PassManager([InsertLeakyReluPass(0.1), InsertLeakyReluPass(0.1), InsertLeakyReluPass(0.2)], check="incremental")(
+        relu_model
+    )
+    assert asked == ["LeakyRelu", "Relu", "LeakyRelu"]
+
+
+def test_a_changed_graph_input_shape_is_checked_again(relu_model, spy_incremental_check, monkeypatch):
+    seen = []
+    real = onnx.checker.check_value_info
+    monkeypatch.setattr(onnx.checker, "check_value_info", lambda proto, ctx: (seen.append(proto.name), real(proto, ctx)))
+
+    class ChangesInputShape(InsertIdentityPass):
+        def call(self, model):
+            model.graph.inputs[0].shape = ir.Shape([7])
+            return super().call(model)
+
+    PassManager([InsertIdentityPass(), ChangesInputShape()], check="incremental")(relu_model)
+    # The onnx checker itself saw the input; after the first pass nothing of the graph's
+    # inputs and outputs changed, after the second the input's shape did.
+    assert seen == [relu_model.graph.inputs[0].name]
 
 
 def test_an_unknown_check_mode_is_refused():
