@@ -32,7 +32,11 @@ is recorded as timed out):
   gradient graph of the same forward nodes): session creation without and with the
   memory optimizer at level 1 (``optimization.memory_optimizer_config`` = a JSON file
   holding ORT's layer-wise type-1 plans, ``optimization.enable_memory_probe_recompute_config``
-  = ``"1:1"``), and ORT's analysis call alone
+  = ``"1:1"``); the MemoryOptimizer transformer alone, from the timestamps of ORT's INFO
+  log of that session creation (what it adds to a session also counts ORT's other
+  transformers running again over the graph it changed, and the difference of two
+  session timings is noisy on large graphs; the INFO lines it writes itself are counted
+  in its time, which favours ortpass slightly); and ORT's analysis call alone
   (``TrainingAgent.get_serialized_ortmodule_memory_stat``).
 
 Then per pass, over the static graphs: ms per 1k nodes and the exponent of a log-log fit
@@ -49,15 +53,18 @@ times ortpass alone, in about 2 minutes).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import tempfile
 import time
+from typing import Iterator
 
 HERE = pathlib.Path(__file__).resolve().parent
 
@@ -152,9 +159,9 @@ def time_ort_optimizer(training) -> dict:
     params = list(get_training_info(training).params)
     gradient_model, info = ort_module_gradient_graph(forward_model_for_ort(training), params)
 
-    def create(entries: dict[str, str]):
+    def create(entries: dict[str, str], severity: int = 3):
         options = ort.SessionOptions()
-        options.log_severity_level = 3
+        options.log_severity_level = severity
         for key, value in entries.items():
             options.add_session_config_entry(key, value)
         start = time.perf_counter()
@@ -179,14 +186,65 @@ def time_ort_optimizer(training) -> dict:
             "optimization.enable_memory_probe_recompute_config": "1:1",
         }
         optimized = min(create(entries)[1] for _ in range(REPEATS))
+        log_file = os.path.join(tmp, "ort.log")
+        transformer = []
+        for _ in range(REPEATS):
+            with _stderr_to(log_file):
+                create(entries, severity=1)
+            transformer.append(memory_optimizer_seconds(pathlib.Path(log_file).read_text(errors="replace")))
     return {
         "ort_graph_nodes": _count_nodes(gradient_model),
         "session_seconds_without": plain,
         "session_seconds_with": optimized,
         "optimizer_seconds": optimized - plain,
         "analysis_seconds": analysis,
+        "transformer_seconds": min(transformer, default=None) if None not in transformer else None,
         "plans": plans,
     }
+
+
+@contextlib.contextmanager
+def _stderr_to(path: str) -> Iterator[None]:
+    """Send what is written to file descriptor 2 (ORT's C++ log) to ``path`` meanwhile."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(target, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(target)
+        os.close(saved)
+
+
+# ORT logs "GraphTransformer <name> modified: <0|1> ..." at INFO when a transformer's
+# ApplyImpl returns, before the graph is resolved again.
+_TRANSFORMER_LINE = re.compile(
+    r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\.(\d+) \[I:onnxruntime:.*GraphTransformer (\w+) modified: (\d)"
+)
+
+
+def memory_optimizer_seconds(log: str) -> float | None:
+    """How long ORT's MemoryOptimizer transformer ran, from an INFO log of session creation:
+    the time from the line of the transformer before it to its own line.  Counted only
+    where the one before changed nothing (so no Resolve of the graph falls in between);
+    None when no such occurrence is logged."""
+    import datetime
+
+    stamps = []
+    for line in log.splitlines():
+        match = _TRANSFORMER_LINE.match(line)
+        if match:
+            whole = datetime.datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S").timestamp()
+            # Seconds and their fraction apart: a float of both loses the nanoseconds.
+            stamps.append(((whole, float("0." + match.group(2))), match.group(3), match.group(4) == "1"))
+    spans = [
+        (after[0] - before[0]) + (after[1] - before[1])
+        for (before, _, changed), (after, name, _) in zip(stamps, stamps[1:])
+        if name == "MemoryOptimizer" and not changed
+    ]
+    return sum(spans) if spans else None
 
 
 def _count_nodes(model_bytes: bytes) -> int:
@@ -282,6 +340,10 @@ def summarize(results: list[dict]) -> dict:
             if r["ort"] is not None:
                 series.setdefault("ORT memory optimizer (session with - without)", []).append((n, max(r["ort"]["optimizer_seconds"], 1e-6)))
                 series.setdefault("ORT analysis call", []).append((n, r["ort"]["analysis_seconds"]))
+                if r["ort"].get("transformer_seconds") is not None:
+                    series.setdefault("ORT MemoryOptimizer transformer (from its log)", []).append(
+                        (n, r["ort"]["transformer_seconds"])
+                    )
         summary[mode] = {
             name: {
                 "ms_per_1k_nodes": {str(int(n)): 1e6 * s / n for n, s in pts},
@@ -307,7 +369,8 @@ def to_markdown(results: list[dict], summary: dict) -> str:
     columns = ["mode", "layers", "training nodes", "ORT graph nodes", *POST_GRAD_PASSES, "post-grad checks",
                "post-grad total", "post-grad alone, manager wall (checks): full / incremental / none",
                "whole pipeline (wall)",
-               "ORT optimizer: session + (of a session without)", "ORT analysis"]
+               "ORT optimizer: session + (of a session without)", "ORT MemoryOptimizer transformer",
+               "ORT analysis"]
     lines += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for r in results:
         if "pipeline" not in r:
@@ -322,17 +385,18 @@ def to_markdown(results: list[dict], summary: dict) -> str:
             (
                 str(ort["ort_graph_nodes"]),
                 f"{1e3 * ort['optimizer_seconds']:.0f} (of {1e3 * ort['session_seconds_without']:.0f})",
+                "-" if ort.get("transformer_seconds") is None else f"{1e3 * ort['transformer_seconds']:.1f}",
                 f"{1e3 * ort['analysis_seconds']:.1f}",
             )
             if ort is not None
-            else ("not run", "not run", "not run")
+            else ("not run", "not run", "not run", "not run")
         )
         lines.append(
             f"| {r['mode']} | {r['layers']} | {r['training_nodes']} | {ort_cells[0]} | "
             f"{pass_cells} | "
             f"{1e3 * checks:.0f} | {1e3 * post_grad_seconds(r):.0f} | {_check_modes_cell(r)} | "
             f"{1e3 * r['pipeline']['wall_seconds']:.0f} | "
-            f"{ort_cells[1]} | {ort_cells[2]} |"
+            f"{ort_cells[1]} | {ort_cells[2]} | {ort_cells[3]} |"
         )
     for mode, series in summary.items():
         if not series:

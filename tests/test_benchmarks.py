@@ -45,6 +45,31 @@ def test_scaling_times_ortpass_and_ort_on_the_smallest_decoder():
     # ORT's analysis finds plans on the same training graph (the one before recompute).
     assert ort["plans"] and ort["analysis_seconds"] > 0
     assert ort["ort_graph_nodes"] >= result["training_nodes"]
+    assert 0 < ort["transformer_seconds"] < ort["session_seconds_with"]
+
+
+def _transformer_line(stamp: str, name: str, modified: int) -> str:
+    return (
+        f"2026-11-22 {stamp} [I:onnxruntime:, graph_transformer.cc:15 Apply] "
+        f"GraphTransformer {name} modified: {modified} with status: OK"
+    )
+
+
+def test_the_memory_optimizer_time_is_read_from_the_transformer_log_lines():
+    scaling = _load("scaling")
+    log = "\n".join([
+        _transformer_line("18:25:26.900000000", "ConstantFolding", 1),
+        _transformer_line("18:25:26.925111935", "MemcpyTransformer", 0),
+        "2026-11-22 18:25:26.930000000 [I:onnxruntime:, memory_optimizer.cc:105 ModifyGraph] Node x is applying",
+        _transformer_line("18:25:26.932314508", "MemoryOptimizer", 1),
+        _transformer_line("18:25:26.990000000", "ConstantFolding", 0),
+    ])
+    assert scaling.memory_optimizer_seconds(log) == pytest.approx(0.007202573, abs=1e-7)
+    # After a transformer that changed the graph, ORT resolves it again before the next
+    # one starts: that time is not the memory optimizer's, so nothing is counted.
+    after_a_change = log.replace("MemcpyTransformer modified: 0", "MemcpyTransformer modified: 1")
+    assert scaling.memory_optimizer_seconds(after_a_change) is None
+    assert scaling.memory_optimizer_seconds("no transformer ran") is None
 
 
 @pytest.mark.slow
