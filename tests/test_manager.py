@@ -502,9 +502,9 @@ def spy_incremental_check(monkeypatch):
     looked_at, asked = [], []
     real_signature, real_check_node = checks._signature, onnx.checker.C.check_node
 
-    def signature(node, keep_alive):
+    def signature(node, *rest):
         looked_at.append(node.op_type)
-        return real_signature(node, keep_alive)
+        return real_signature(node, *rest)
 
     def check_node(data, *args):
         asked.append(onnx.NodeProto.FromString(data).op_type)
@@ -549,6 +549,32 @@ def test_a_node_with_other_attribute_values_is_checked_again(relu_model, spy_inc
         relu_model
     )
     assert asked == ["LeakyRelu", "Relu", "LeakyRelu"]
+
+
+class ImportsDomainPass(InsertIdentityPass):
+    """Inserts an Identity, and imports ``domain`` at ``version``."""
+
+    name = "imports-domain"
+
+    def __init__(self, domain: str, version: int):
+        self.domain, self.version = domain, version
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        model.opset_imports[self.domain] = self.version
+        return super().call(model)
+
+
+@pytest.mark.parametrize(
+    "domain, version, full",
+    [("com.microsoft", 1, False), ("", 14, True)],
+    ids=["a-domain-added", "a-domain-at-another-version"],
+)
+def test_only_a_changed_opset_import_makes_the_incremental_check_a_full_one(relu_model, monkeypatch, domain, version, full):
+    fallbacks = []
+    real = checks.full_check
+    monkeypatch.setattr(checks, "full_check", lambda model: (fallbacks.append(model), real(model))[1])
+    PassManager([InsertIdentityPass(), ImportsDomainPass(domain, version)], check="incremental")(relu_model)
+    assert len(fallbacks) == int(full)
 
 
 def test_a_changed_graph_input_shape_is_checked_again(relu_model, spy_incremental_check, monkeypatch):
