@@ -504,11 +504,14 @@ class PassManager(ir.passes.FunctionalPass):
             ``"incremental"`` (the default): the onnx checker on the input, then the same
             rules after each pass on the IR, without serializing the model:
             the structural rules over the whole graph, ``check_value_info`` on the graph
-            inputs and outputs, and ``check_node`` / ``check_tensor`` only on the nodes and
-            initializers that are new or changed (a node's op, domain, attributes, or
-            input or output names) since the last check.  It falls back to the full check
-            when the IR version or opset imports change, the model has functions, or a
-            changed node holds a subgraph.  What it does not see: a change made inside an
+            inputs and outputs that changed, and ``check_node`` / ``check_tensor`` only on
+            the nodes and initializers that are new or changed (a node's op, domain,
+            attributes, or input or output values) since the last check, ``check_node``
+            once per signature (op, domain and its opset version, attributes by value,
+            which inputs and outputs are present: all it decides on).  It falls back to
+            the full check when the IR version changes, an opset import changes or goes
+            away, the model has functions, or a changed node holds a subgraph.  What it
+            does not see: a change made inside an
             existing attribute or initializer tensor (its data mutated in place), and a
             value type or shape that ``ir.to_proto`` could not write.  So the run ends with
             the full check of the model it returns; should that refuse it, the passes run
@@ -516,7 +519,7 @@ class PassManager(ir.passes.FunctionalPass):
             output is refused fails as it would have in the full mode.  So the input and
             the output get the full mode's verdict, a pass whose output only the onnx
             checker refuses is still named, and the models in between are checked for
-            about a quarter of the full mode's cost (``benchmarks/scaling.md``).
+            a sixth to a twelfth of the full mode's cost (``benchmarks/scaling.md``).
 
             ``"none"`` (or ``False``): no check; the input is still never changed and a
             pass that raises is still rolled back.
