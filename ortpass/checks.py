@@ -180,6 +180,8 @@ def incremental_check(model: ir.Model, previous: CheckedState | None) -> Checked
     ctx = onnx.checker.C.CheckerContext()
     ctx.ir_version = model.ir_version
     ctx.opset_imports = state.opsets
+    if not model.graph.name:  # check_graph's first rule
+        raise onnx.checker.ValidationError("Field 'name' of 'graph' is required to be non-empty.")
     changed.extend(_check_names(model.graph))
     for value, fingerprint in state.io.items():
         if previous is None or previous.io.get(value) != fingerprint:

@@ -469,12 +469,15 @@ class _BreaksModel(OrtPass):
             graph.node(1).outputs[0].name = None
         elif self.how == "required-input-named-empty":  # no node changes, only a name
             graph.node(0).outputs[0].name = ""
+        elif self.how == "graph-name-emptied":
+            graph.name = ""
         return ir.passes.PassResult(model, True)
 
 
 BREAKAGES = [
     "duplicate-output-name", "unknown-attribute-on-an-old-node", "unknown-op", "wrong-input-count", "out-of-order",
     "undefined-graph-output", "unimported-domain", "opset-too-old", "unnamed-value", "required-input-named-empty",
+    "graph-name-emptied",
 ]
 
 
