@@ -55,6 +55,7 @@ __all__ = [
     "since_version",
     "is_optional_output",
     "optional_outputs",
+    "OptionalOutputs",
 ]
 
 logger = logging.getLogger(__name__)
@@ -230,6 +231,23 @@ def optional_outputs(node: ir.Node, opset_imports: Mapping[str, int]) -> frozens
     if opset is None:
         return frozenset()
     return _optional_outputs(node.op_type, opset)
+
+
+class OptionalOutputs:
+    """:func:`optional_outputs` of the nodes of one model, asked once per op: the answer
+    depends on the domain, op type and version alone, and the recompute pass asks it of
+    every node it cloned and of every clone."""
+
+    def __init__(self, opset_imports: Mapping[str, int]) -> None:
+        self.opset_imports = dict(opset_imports)
+        self._known: dict[tuple[str, str, int | None], frozenset[int]] = {}
+
+    def __call__(self, node: ir.Node) -> frozenset[int]:
+        key = (node.domain, node.op_type, node.version)
+        known = self._known.get(key)
+        if known is None:
+            known = self._known[key] = optional_outputs(node, self.opset_imports)
+        return known
 
 
 def is_optional_output(node: ir.Node, index: int, opset_imports: Mapping[str, int]) -> bool:
