@@ -36,7 +36,7 @@ import logging
 
 import onnx_ir as ir
 
-from ortpass.analysis.memory import evaluate, is_alias_node, symbolic_nbytes
+from ortpass.analysis.memory import is_alias_node, nbytes_at
 from ortpass.analysis.partition import is_backward
 from ortpass.metadata import get_export_info
 from ortpass.passes.base import OrtPass
@@ -56,11 +56,8 @@ class _Sizes:
 
     def __call__(self, value: ir.Value) -> int | None:
         if value not in self.known:
-            self.known[value] = self._bytes(value)
+            self.known[value] = nbytes_at(value, self.dims)
         return self.known[value]
-
-    def _bytes(self, value: ir.Value) -> int | None:
-        return evaluate(symbolic_nbytes(value), self.dims)
 
 
 class _Backward:
