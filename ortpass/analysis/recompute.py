@@ -62,9 +62,9 @@ from ortpass.analysis.layers import LayerBoundaries, find_layer_boundaries
 from ortpass.analysis.partition import Partition, get_partition
 from ortpass.analysis.plans import PlanSpec, PlanType, cluster_id, parse_plans
 from ortpass.analysis.recomputable_ops import (
+    OptionalOutputs,
     ProbeLevel,
     RecomputableOp,
-    is_optional_output,
     lookup_recomputable,
     recomputable_function_of,
 )
@@ -356,6 +356,7 @@ class _Analysis:
         self.max_nodes = max_nodes
         self.min_elements = min_elements
         self.opsets = dict(model.opset_imports)
+        self.optional_outputs = OptionalOutputs(self.opsets)
         self.positions = {node: i for i, node in enumerate(nodes)}
         self.buffers = memory.BufferMap()
         self.stashed_set = set(partition.stashed)
@@ -365,12 +366,12 @@ class _Analysis:
         self._op_lookup_cache: dict[tuple[str, str, int | None], RecomputableOp | None] = {}
         self._bytes_cache: dict[ir.Value, sympy.Expr | None] = {}
         self._numel_cache: dict[ir.Value, int | None] = {}
-        # Buffers kept alive anyway: stashed buffers, graph inputs, initializers.
-        self.stashed_buffers = {self.buffers.root(v) for v in partition.stashed}
         # The stashed values viewing each buffer.
         self.stashed_views: dict[ir.Value, list[ir.Value]] = collections.defaultdict(list)
         for value in partition.stashed:
             self.stashed_views[self.buffers.root(value)].append(value)
+        # Buffers kept alive anyway: stashed buffers, graph inputs, initializers.
+        self.stashed_buffers = set(self.stashed_views)
 
     # -- small lookups ---------------------------------------------------------------
     def lookup(self, node: ir.Node) -> RecomputableOp | None:
@@ -476,14 +477,17 @@ class _Analysis:
             for value in by_producer[producer]:
                 for view in self.stashed_views[self.buffers.root(value)]:
                     group.update(dict.fromkeys(by_producer[view.producer()]))  # type: ignore[index]
-            outputs = sorted(group, key=lambda v: (self.positions[v.producer()], v.index()))  # type: ignore[index]
+            outputs = list(group)
+            if len(outputs) > 1:  # most candidates are one value: nothing to sort
+                outputs.sort(key=lambda v: (self.positions[v.producer()], v.index()))  # type: ignore[index]
             covered.update(outputs)
             candidates.append((outputs[0].producer(), outputs))
         return candidates  # type: ignore[return-value]
 
     def entry_rejection(self, entry: ir.Node, outputs: list[ir.Value]) -> str | None:
         """Why ``entry`` is not a candidate at all, or None."""
-        if all(self.below_floor(self.buffers.root(v)) for v in outputs):
+        # A floor of 0 rejects nothing: no buffers to look up (level 1 in the pipeline).
+        if self.min_elements > 0 and all(self.below_floor(self.buffers.root(v)) for v in outputs):
             return f"stashed outputs are all-static and smaller than {self.min_elements} elements"
         if self.layer_boundary:
             if self.layer_of(entry) is None:
@@ -579,7 +583,7 @@ class _Analysis:
     def droppable(self, value: ir.Value) -> bool:
         """An output nobody reads that the rewrite drops (an optional output: see
         :func:`~ortpass.analysis.recomputable_ops.is_optional_output`)."""
-        return is_optional_output(value.producer(), value.index(), self.opsets)  # type: ignore[arg-type]
+        return value.index() in self.optional_outputs(value.producer())  # type: ignore[arg-type]
 
     def left_unread(self, value: ir.Value, rewired: set[ir.Value]) -> bool:
         """True when, once backward reads a clone of ``value``, the forward node still
@@ -620,9 +624,12 @@ class _Analysis:
         charged: list[Occurrence | SkippedCandidate] = []
         for occ in occurrences:
             own = set(occ.nodes)
+            # A node with one output never leaves it unread: it is a stashed output, or
+            # growth took the node because a member reads it.  Most nodes: no readers to scan.
             unread = [
                 value
                 for node in occ.nodes
+                if len(node.outputs) > 1
                 for value in node.outputs
                 if value not in rewired
                 and value not in occ.stashed
