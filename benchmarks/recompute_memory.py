@@ -106,9 +106,10 @@ def _peak_bytes() -> int:
 def _measure(step, steps: int) -> dict:
     """Warm up, then measure the step peak of one step and the time of ``steps`` steps."""
     step()  # warm-up: allocator pools, kernel caches, lazily created state
-    # The baseline is read after the reset: the other way round, memory a background
-    # thread freed in between left the peak below the baseline (a negative step peak,
-    # seen once on a tiny model while another process loaded the machine).
+    # The baseline is read after the reset: the other way round, memory freed in between
+    # (by a background thread) leaves the peak below the baseline, a negative step peak.
+    # (This benchmark's test failed once, unexplained, while another process loaded the
+    # machine; a negative peak is the one failure its assertions allow that timing explains.)
     _reset_peak()
     rss_after_setup = _rss_bytes()
     times = []
