@@ -68,9 +68,10 @@ def _signature(node: ir.Node, opsets: dict[str, int], keep_alive: list) -> tuple
     version imported for it, overload, which inputs and outputs are present, and the
     attributes by value.  ``check_node`` reads nothing else (a node's name appears only in
     its messages), so a node whose signature it accepted once is accepted again, while
-    the IR version stays the same.  Recompute clones and the layers of a deep model share signatures: on a
-    17.5k-node training graph the recompute pass adds 5.6k nodes and rewires more, 9.6k
-    nodes to check, and they have 403 signatures (a Dropout's seed makes each its own).
+    the IR version stays the same.  Recompute clones and the layers of a deep model
+    share signatures: on a 17.5k-node training graph the recompute pass adds 5.6k nodes
+    and rewires more, 9.6k nodes to check, and they have 403 signatures (a Dropout's seed
+    makes each its own).
     """
     return (
         node.op_type,
@@ -120,8 +121,8 @@ class CheckedState:
     attributes: list[tuple[ir.Attr, ...]]
     # Graph inputs and outputs -> what check_value_info accepted of them.
     io: dict[ir.Value, tuple] = dataclasses.field(default_factory=dict)
-    # The node signatures check_node accepted under this IR version and these opsets,
-    # and the attributes their keys name by id.
+    # The node signatures check_node accepted under this IR version (each signature holds
+    # its domain's opset version), and the attributes their keys name by id.
     signatures: set[tuple] = dataclasses.field(default_factory=set)
     signature_attributes: list[ir.Attr] = dataclasses.field(default_factory=list)
 
