@@ -441,11 +441,12 @@ def _diff_nodes(before: list[ir.Node], after: list[ir.Node]) -> tuple[list[ir.No
     rebuilt the whole model (a functional pass that cloned it) shares no node objects
     with its input; then nodes are matched by (domain, op type, name, output names).
     """
-    before_ids = {id(n) for n in before}
-    after_ids = {id(n) for n in after}
-    if before and after and before_ids.isdisjoint(after_ids):
+    # Sets of the nodes themselves: ir.Node compares and hashes by identity, and building
+    # them takes no Python call per node.
+    before_set, after_set = set(before), set(after)
+    if before and after and before_set.isdisjoint(after_set):
         return _multiset_minus(after, before), _multiset_minus(before, after)
-    return [n for n in after if id(n) not in before_ids], [n for n in before if id(n) not in after_ids]
+    return [n for n in after if n not in before_set], [n for n in before if n not in after_set]
 
 
 def _multiset_minus(nodes: list[ir.Node], others: list[ir.Node]) -> list[ir.Node]:
