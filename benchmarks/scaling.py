@@ -198,7 +198,7 @@ def time_ort_optimizer(training) -> dict:
         "session_seconds_with": optimized,
         "optimizer_seconds": optimized - plain,
         "analysis_seconds": analysis,
-        "transformer_seconds": min(transformer, default=None) if None not in transformer else None,
+        "transformer_seconds": None if None in transformer else min(transformer),
         "plans": plans,
     }
 

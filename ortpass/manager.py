@@ -516,9 +516,9 @@ class PassManager(ir.passes.FunctionalPass):
             which inputs and outputs are present: all it decides on).  It falls back to
             the full check when the IR version changes, an opset import changes or goes
             away, the model has functions, or a changed node holds a subgraph.  What it
-            does not see: a change made inside an
-            existing attribute or initializer tensor (its data mutated in place), and a
-            value type or shape that ``ir.to_proto`` could not write.  So the run ends with
+            does not see: a change made inside an existing attribute or initializer
+            tensor (its data mutated in place), and a value type or shape that
+            ``ir.to_proto`` could not write.  So the run ends with
             the full check of the model it returns; should that refuse it, the passes run
             again from the input, with the full check after each, and the first whose
             output is refused fails as it would have in the full mode.  So the input and

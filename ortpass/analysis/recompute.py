@@ -486,8 +486,7 @@ class _Analysis:
 
     def entry_rejection(self, entry: ir.Node, outputs: list[ir.Value]) -> str | None:
         """Why ``entry`` is not a candidate at all, or None."""
-        # A floor of 0 rejects nothing: no buffers to look up (level 1 in the pipeline).
-        if self.min_elements > 0 and all(self.below_floor(self.buffers.root(v)) for v in outputs):
+        if all(self.below_floor(self.buffers.root(v)) for v in outputs):
             return f"stashed outputs are all-static and smaller than {self.min_elements} elements"
         if self.layer_boundary:
             if self.layer_of(entry) is None:
