@@ -15,7 +15,7 @@ from typing import Any
 import onnx
 import onnx_ir as ir
 
-__all__ = ["CHECK_MODES", "Checked", "CheckedState", "check_mode", "full_check", "incremental_check"]
+__all__ = ["CHECK_MODES", "Checked", "CheckedState", "check_mode", "full_check", "incremental_check", "input_check"]
 
 
 #: The ``check`` modes of :class:`PassManager` (``True`` means ``"full"``, ``False`` ``"none"``).
@@ -200,6 +200,36 @@ def incremental_check(model: ir.Model, previous: CheckedState | None) -> Checked
     return state
 
 
+def input_check(model: ir.Model) -> CheckedState:
+    """Raise ``onnx.checker.ValidationError`` where ``onnx.checker.check_model`` would
+    reject ``model``, without serializing its graph: the model-level rules (IR version,
+    opset imports, metadata) by the checker itself on the model with an empty graph, the
+    graph's rules by :func:`incremental_check` with nothing accepted before.
+
+    Serializing is most of a full check's cost (``ir.to_proto`` took 0.65 of 0.85 s on a
+    17.5k-node training graph); this check took 0.2-0.3 s there.
+    """
+    state = incremental_check(model, None)
+    onnx.checker.check_model(_header(model))
+    return state
+
+
+def _header(model: ir.Model) -> onnx.ModelProto:
+    """``model`` serialized without its graph's contents (the graph keeps its name,
+    which the checker requires): what ``check_model`` reads outside ``check_graph``."""
+    graph = ir.Graph([], [], nodes=[], name=model.graph.name, opset_imports=model.opset_imports)
+    header = ir.Model(
+        graph,
+        ir_version=model.ir_version,
+        producer_name=model.producer_name,
+        producer_version=model.producer_version,
+        domain=model.domain,
+        model_version=model.model_version,
+        metadata_props=dict(model.metadata_props),
+    )
+    return ir.to_proto(header)
+
+
 def _needsfull_check(
     model: ir.Model, state: CheckedState, previous: CheckedState | None, changed: list[ir.Node]
 ) -> bool:
@@ -224,8 +254,9 @@ def _check_node(node: ir.Node, ctx: Any) -> None:
         proto = ir.serde.serialize_node(node)
         onnx.checker.C.check_node(proto.SerializeToString(), ctx, onnx.checker.LEXICAL_SCOPE_CONTEXT)
     except Exception as exc:
+        # Worded as check_model words it, so both modes name a bad node alike.
         raise onnx.checker.ValidationError(
-            f"Bad node spec for node. Name: {node.name} OpType: {node.op_type}: {exc}"
+            f"{exc}\n\n==> Context: Bad node spec for node. Name: {node.name} OpType: {node.op_type}"
         ) from exc
 
 

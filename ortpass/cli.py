@@ -168,7 +168,7 @@ def _optimize(args: argparse.Namespace) -> int:
             exc.report.save(args.report)
         raise
     print(result.report.to_table())
-    io.save(result.model, output, overwrite=True)
+    io.save(result.model, output, overwrite=True, serialized=result.proto)
     if args.report:
         result.report.save(args.report)
         logger.info("wrote the report to %s", args.report)

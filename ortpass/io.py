@@ -47,14 +47,20 @@ def _root_cause(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def save(model: ir.Model, path: str | os.PathLike, *, overwrite: bool = False) -> None:
-    """Write ``model`` to ``path``; refuse to replace an existing file unless ``overwrite``."""
+def save(
+    model: ir.Model, path: str | os.PathLike, *, overwrite: bool = False, serialized: onnx.ModelProto | None = None
+) -> None:
+    """Write ``model`` to ``path``; refuse to replace an existing file unless ``overwrite``.
+
+    ``serialized``: ``model`` already serialized (``ManagerResult.proto``), written
+    instead of serializing it again (0.65 s of a 1 s save at 17.5k nodes).
+    """
     path = Path(path)
     if path.exists() and not overwrite:
         raise FileExistsError(f"{path} exists; refusing to overwrite it")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    onnx.save(ir.to_proto(model), str(tmp))
+    onnx.save(serialized if serialized is not None else ir.to_proto(model), str(tmp))
     os.replace(tmp, path)  # never leave a half-written file under the final name
     logger.info("wrote %s", path)
 

@@ -50,6 +50,7 @@ from ortpass.checks import (
     check_mode,
     full_check,
     incremental_check,
+    input_check,
 )
 from ortpass.errors import (
     ModelLoadError,
@@ -369,9 +370,12 @@ def _format_stats(stats: dict[str, Any]) -> str:
 
 @dataclasses.dataclass
 class ManagerResult(ir.passes.PassResult):
-    """An onnx_ir PassResult that also carries the manager's report."""
+    """An onnx_ir PassResult that also carries the manager's report, and ``model``
+    serialized as the run's last onnx checker accepted it (None where no check serialized
+    the model returned): saving it spares serializing the model again."""
 
     report: PassReport
+    proto: onnx.ModelProto | None = None
 
 
 # ---------------------------------------------------------------------------------------
@@ -506,8 +510,9 @@ class PassManager(ir.passes.FunctionalPass):
             them through), initializers and the graph inputs' and outputs' types.  The
             serialization is also the rollback point.
 
-            ``"incremental"`` (the default): the onnx checker on the input, then the same
-            rules after each pass on the IR, without serializing the model:
+            ``"incremental"`` (the default): the checker's rules on the IR, without
+            serializing the model, first on the whole input (with the checker itself on
+            the model's header: IR version, opset imports), then after each pass:
             the structural rules over the whole graph, ``check_value_info`` on the graph
             inputs and outputs that changed, and ``check_node`` / ``check_tensor`` only on
             the nodes and initializers that are new or changed (a node's op, domain,
@@ -521,10 +526,12 @@ class PassManager(ir.passes.FunctionalPass):
             ``ir.to_proto`` could not write.  So the run ends with
             the full check of the model it returns; should that refuse it, the passes run
             again from the input, with the full check after each, and the first whose
-            output is refused fails as it would have in the full mode.  So the input and
-            the output get the full mode's verdict, a pass whose output only the onnx
-            checker refuses is still named, and the models in between are checked for
-            a sixth to a twelfth of the full mode's cost (``benchmarks/scaling.md``).
+            output is refused fails as it would have in the full mode.  Should a pass
+            fail, or the final check refuse, the checker itself looks at the input first,
+            and a bad input is named instead of the pass.  So the input and the output
+            get the full mode's verdict, a pass whose output only the onnx checker
+            refuses is still named, and the models in between are checked for a sixth
+            to a twelfth of the full mode's cost (``benchmarks/scaling.md``).
 
             ``"none"`` (or ``False``): no check; the input is still never changed and a
             pass that raises is still rolled back.
@@ -593,18 +600,24 @@ class PassManager(ir.passes.FunctionalPass):
         current = model
         cache = AnalysisCache()
         point = RollbackPoint.at_input(model)
+        nodes = None  # the nodes of ``current``, as the pass before left them
         try:
             for position, pass_ in enumerate(self.passes, start=1):
-                current, checked = self._run_pass(
-                    position, pass_, current, report, checked, cache, point, owned=current is not model
+                current, checked, nodes = self._run_pass(
+                    position, pass_, current, report, checked, cache, point, nodes, owned=current is not model
                 )
             if self.check == "incremental" and not all(map(self._unchanged, report.records)):
-                self._final_check(model, current, report)
+                checked = self._final_check(model, current, report)
+        except PassFailedError as failure:
+            if self.check == "incremental":
+                self._refuse_input_if_the_checker_does(model, failure)
+            raise
         finally:
             self._notify("run_end", current, report)
         if current is model:  # nothing replaced the input; a functional pass returns a new model
             current = model.clone()
-        return ManagerResult(current, report.modified, report)
+        proto = checked if isinstance(checked, onnx.ModelProto) else None
+        return ManagerResult(current, report.modified, report, proto)
 
     def _check(self, model: ir.Model, previous: Checked) -> Checked:
         """Check ``model`` in this manager's mode; ``previous``: what the check before accepted."""
@@ -614,18 +627,33 @@ class PassManager(ir.passes.FunctionalPass):
             return incremental_check(model, previous if isinstance(previous, CheckedState) else None)
         return None
 
-    def _final_check(self, model: ir.Model, out: ir.Model, report: PassReport) -> None:
+    def _final_check(self, model: ir.Model, out: ir.Model, report: PassReport) -> onnx.ModelProto:
         """The onnx checker itself on ``out``, the model the run returns, after the
         incremental checks (so what they cannot see, like a tensor changed in place,
-        does not leave the manager).  Should it refuse ``out``, the passes run again from
-        ``model`` with the checker after each, to name the first whose output it refuses."""
+        does not leave the manager); returns the serialization it accepted.  Should it
+        refuse ``out``, the passes run again from ``model`` with the checker after each,
+        to name the first whose output it refuses."""
         start = time.perf_counter()
         try:
-            full_check(out)
+            proto = full_check(out)
         except Exception as exc:  # noqa: BLE001 - the pass to blame is looked for and named
             report.final_check_seconds = time.perf_counter() - start
             self._blame_first_refused(model, report, _describe(exc), exc)
         report.final_check_seconds = time.perf_counter() - start
+        return proto
+
+    @staticmethod
+    def _refuse_input_if_the_checker_does(model: ir.Model, failure: PassFailedError) -> None:
+        """In the incremental mode the input got the checker's rules on the IR, not the
+        checker itself (see :func:`ortpass.checks.input_check`).  Should a pass fail on
+        an input that only the checker refuses, the input is to blame, not the pass."""
+        try:
+            full_check(model)
+        except Exception as exc:  # noqa: BLE001 - named in the error raised
+            raise ModelLoadError(
+                f"the input model fails the onnx checker: {_describe(exc)} (found when pass "
+                f"{failure.pass_name!r} failed: {failure.reason})"
+            ) from exc
 
     def _blame_first_refused(self, model: ir.Model, report: PassReport, reason: str, exc: Exception) -> NoReturn:
         records = report.records
@@ -648,13 +676,13 @@ class PassManager(ir.passes.FunctionalPass):
         raise PassFailedError(records[-1].name, reason, model=model.clone(), report=report) from exc
 
     def _check_input(self, model: ir.Model) -> Checked:
-        """Check the input, in the incremental mode with the onnx checker itself: what it
-        checks of a model beside its graph (an IR version newer than it knows, say) cannot
-        change unless a pass changes it, and the final check looks again then."""
+        """Check the input; in the incremental mode with the checker's rules on the IR
+        and the checker itself on the model's header (:func:`ortpass.checks.input_check`),
+        since serializing the model is most of a full check's cost.  Should a pass fail
+        later, the checker itself looks at the input before the pass is blamed."""
         try:
             if self.check == "incremental":
-                full_check(model)
-                return CheckedState.of(model)
+                return input_check(model)
             return self._check(model, None)
         except Exception as exc:
             raise ModelLoadError(f"the input model fails the onnx checker before any pass ran: {_describe(exc)}") from exc
@@ -668,19 +696,23 @@ class PassManager(ir.passes.FunctionalPass):
         checked: Checked,
         cache: AnalysisCache,
         point: RollbackPoint,
+        nodes: list[ir.Node] | None,
         *,
         owned: bool,
-    ) -> tuple[ir.Model, Checked]:
-        """Run one pass; return the model after it and what its check accepted.
+    ) -> tuple[ir.Model, Checked, list[ir.Node]]:
+        """Run one pass; return the model after it, what its check accepted and its nodes.
 
         ``owned``: ``model`` is the manager's own (not the caller's).  ``checked``: what
         the check of ``model`` accepted (its serialization in the full mode).  ``point``:
-        how to rebuild ``model``, moved on as the pass succeeds.
+        how to rebuild ``model``, moved on as the pass succeeds.  ``nodes``: the nodes of
+        ``model`` as the pass before left them (None for the first), listed again only
+        if the pass works on a copy (instruments observe, they do not change the model).
         """
         record = PassRecord(position, _pass_name(pass_))
         self._notify("before_pass", pass_, model)
         work, rollback, checked = self._prepare(pass_, model, checked, point, owned=owned)
-        before = _all_nodes(work)  # the objects, kept alive for the identity diff
+        # The objects, kept alive for the identity diff.
+        before = nodes if nodes is not None and work is model else _all_nodes(work)
         record.nodes_before = len(before)
         start = time.perf_counter()
         try:
@@ -690,7 +722,7 @@ class PassManager(ir.passes.FunctionalPass):
             self._fail(pass_, record, rollback, report, _describe(exc), exc)
         record.seconds = time.perf_counter() - start
         record.stats = _stats_of(pass_)
-        self._record_changes(record, result, before)
+        after = self._record_changes(record, result, before)
         if not self._unchanged(record):
             cache.keep_only(getattr(pass_, "preserves_analyses", ()))
         if self._unchanged(record) and checked is not None:
@@ -706,7 +738,7 @@ class PassManager(ir.passes.FunctionalPass):
             record.dump_path = self._dump(proto, f"{position:02d}_{record.name}.onnx")
         report.records.append(record)
         self._notify("after_pass", pass_, result.model, record)
-        return result.model, accepted
+        return result.model, accepted, after
 
     def _prepare(
         self, pass_: ir.passes.PassBase, model: ir.Model, checked: Checked, point: RollbackPoint, *, owned: bool
@@ -737,7 +769,8 @@ class PassManager(ir.passes.FunctionalPass):
         self._record_changes(record, result, before)
         return result.model, record.nodes_after
 
-    def _record_changes(self, record: PassRecord, result: ir.passes.PassResult, before: list[ir.Node]) -> None:
+    def _record_changes(self, record: PassRecord, result: ir.passes.PassResult, before: list[ir.Node]) -> list[ir.Node]:
+        """Fill in ``record``'s changes, tag the nodes the pass created; return the nodes after it."""
         after = _all_nodes(result.model)
         added, removed = _diff_nodes(before, after)
         for node in added:
@@ -750,6 +783,7 @@ class PassManager(ir.passes.FunctionalPass):
             logger.warning(
                 "pass %r reported modified=False but added %s and removed %s", record.name, record.added, record.removed
             )
+        return after
 
     @staticmethod
     def _call_with_cache(pass_: ir.passes.PassBase, model: ir.Model, cache: AnalysisCache) -> ir.passes.PassResult:

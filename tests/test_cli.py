@@ -84,6 +84,16 @@ def test_optimize_writes_output_report_and_dumps(model_file, tmp_path, capsys):
     assert "[1/1] cli-insert-identity: changed" in captured.err  # progress goes to logging
 
 
+def test_optimize_writes_the_serialization_the_final_check_accepted(model_file, tmp_path, monkeypatch):
+    out, serialized = tmp_path / "out.onnx", []
+    real = ir.to_proto
+    monkeypatch.setattr(ir, "to_proto", lambda obj: (serialized.append(obj), real(obj))[1])
+    assert main(["optimize", str(model_file), "-o", str(out), "--pipeline", "cli-insert-identity"]) == 0
+    whole_models = [m for m in serialized if isinstance(m, ir.Model) and len(m.graph)]
+    assert len(whole_models) == 1  # by the final check; saving did not serialize again
+    assert out.read_bytes() == real(whole_models[0]).SerializeToString()
+
+
 def test_optimize_refuses_to_overwrite_the_input(model_file, capsys):
     before = model_file.read_bytes()
     spelled_differently = model_file.parent / "." / model_file.name

@@ -17,6 +17,7 @@ import pytest
 from onnx_ir.passes.common import IdentityEliminationPass
 
 from ortpass import PassManager, PassReport, checks
+from ortpass import manager as manager_module
 from ortpass.checks import CheckedState
 from ortpass.errors import ModelLoadError, PassFailedError, PassOrderingError
 from ortpass.instruments import ProgressInstrument
@@ -432,6 +433,56 @@ def test_an_invalid_input_is_refused_before_blaming_a_pass(relu_model, check):
         PassManager([NoOpPass()], check=check)(relu_model)
 
 
+@pytest.mark.parametrize("check", ["full", "incremental"])
+def test_an_input_newer_than_the_checker_is_refused_before_any_pass(relu_model, check):
+    relu_model.ir_version = 99  # read outside the graph: the incremental mode checks the header
+    with pytest.raises(ModelLoadError, match="before any pass ran.*ir_version 99 is higher"):
+        PassManager([InsertIdentityPass()], check=check)(relu_model)
+
+
+@pytest.fixture
+def blind_input_check(monkeypatch):
+    """An input check that sees nothing, standing for a flaw of the input that only the
+    onnx checker itself finds (the incremental mode checks the input on the IR)."""
+    monkeypatch.setattr("ortpass.manager.input_check", CheckedState.of)
+
+
+def test_a_pass_failing_on_an_input_only_the_checker_refuses_blames_the_input(relu_model, blind_input_check):
+    relu_model.graph.node(0).attributes["bogus"] = ir.AttrInt64("bogus", 1)
+    with pytest.raises(ModelLoadError, match="(?s)input model fails the onnx checker.*bogus.*when pass 'raises-halfway' failed"):
+        PassManager([RaisesHalfwayPass()], check="incremental")(relu_model)
+    assert op_types(relu_model) == ["Relu"]
+
+
+def test_a_final_check_refusing_what_the_input_brought_blames_the_input(
+    relu_model, blind_input_check, blind_incremental_check
+):
+    relu_model.graph.node(0).attributes["bogus"] = ir.AttrInt64("bogus", 1)
+    with pytest.raises(ModelLoadError, match="(?s)input model fails the onnx checker.*bogus"):
+        PassManager([InsertIdentityPass()], check="incremental")(relu_model)
+
+
+@pytest.mark.parametrize("check", ["full", "incremental"])
+def test_the_result_carries_the_serialization_the_last_check_accepted(relu_model, check):
+    result = PassManager([InsertIdentityPass(), NoOpPass()], check=check)(relu_model)
+    assert result.proto.SerializeToString() == ir.to_proto(result.model).SerializeToString()
+
+
+@pytest.mark.parametrize("check, passes", [("none", [InsertIdentityPass()]), ("incremental", [NoOpPass()])])
+def test_no_serialization_is_carried_where_no_check_made_one(relu_model, check, passes):
+    assert PassManager(passes, check=check)(relu_model).proto is None
+
+
+def test_a_pass_reuses_the_node_listing_the_pass_before_left(relu_model, monkeypatch):
+    listings = []
+    real = manager_module._all_nodes
+    monkeypatch.setattr(manager_module, "_all_nodes", lambda model: (listings.append(model), real(model))[1])
+    report = PassManager([InsertIdentityPass(), InsertIdentityPass(), NoOpPass()], check="none")(relu_model).report
+    # The first pass's input (a copy of the caller's model), then each pass's output.
+    assert len(listings) == 4
+    assert [(r.nodes_before, r.nodes_after) for r in report.records] == [(1, 2), (2, 3), (3, 3)]
+
+
 # -- the incremental check ------------------------------------------------------------------
 
 
@@ -521,13 +572,13 @@ def spy_incremental_check(monkeypatch):
 def test_the_incremental_check_looks_again_only_at_new_and_changed_nodes(relu_model, spy_incremental_check):
     looked_at, asked = spy_incremental_check
     PassManager([InsertIdentityPass(), InsertIdentityPass()], check="incremental")(relu_model)
-    # (The input and the output go through the onnx checker itself.)  The first Identity
-    # and the Relu now reading it; the second Identity and the first one, now reading it.
-    # The Relu, which the second pass left alone, is not looked at again.
-    assert looked_at == ["Identity", "Relu", "Identity", "Identity"]
+    # The input's Relu (the output goes through the onnx checker itself); the first
+    # Identity and the Relu now reading it; the second Identity and the first one, now
+    # reading it.  The Relu, which the second pass left alone, is not looked at again.
+    assert looked_at == ["Relu", "Identity", "Relu", "Identity", "Identity"]
     # check_node decides on a node's op, attributes and which inputs are present: the
-    # second pass's nodes are like ones it accepted already.
-    assert asked == ["Identity", "Relu"]
+    # rewired Relu and the second pass's nodes are like ones it accepted already.
+    assert asked == ["Relu", "Identity"]
 
 
 class InsertLeakyReluPass(OrtPass):
@@ -551,7 +602,7 @@ def test_a_node_with_other_attribute_values_is_checked_again(relu_model, spy_inc
     PassManager([InsertLeakyReluPass(0.1), InsertLeakyReluPass(0.1), InsertLeakyReluPass(0.2)], check="incremental")(
         relu_model
     )
-    assert asked == ["LeakyRelu", "Relu", "LeakyRelu"]
+    assert asked == ["Relu", "LeakyRelu", "LeakyRelu"]
 
 
 class ImportsDomainPass(InsertIdentityPass):
@@ -591,9 +642,10 @@ def test_a_changed_graph_input_shape_is_checked_again(relu_model, spy_incrementa
             return super().call(model)
 
     PassManager([InsertIdentityPass(), ChangesInputShape()], check="incremental")(relu_model)
-    # The onnx checker itself saw the input; after the first pass nothing of the graph's
-    # inputs and outputs changed, after the second the input's shape did.
-    assert seen == [relu_model.graph.inputs[0].name]
+    # The input check saw the graph's input and output; after the first pass nothing of
+    # them changed, after the second the input's shape did.
+    graph = relu_model.graph
+    assert seen == [graph.inputs[0].name, graph.outputs[0].name, graph.inputs[0].name]
 
 
 def test_an_unknown_check_mode_is_refused():
@@ -888,14 +940,16 @@ def test_the_incremental_mode_ends_with_the_onnx_checker_once(relu_model, monkey
     real_check = onnx.checker.check_model
     monkeypatch.setattr(onnx.checker, "check_model", lambda proto, *a, **k: (checked.append(len(proto.graph.node)), real_check(proto, *a, **k)))
     report = PassManager([InsertIdentityPass(), InsertIdentityPass(), NoOpPass()], check="incremental")(relu_model).report
-    assert checked == [1, 3]  # the input and the output, not what the passes gave each other
+    # The input's header (its graph's rules were checked on the IR) and the whole output,
+    # not what the passes gave each other.
+    assert checked == [0, 3]
     assert report.final_check_seconds > 0
     assert report.total_seconds >= report.final_check_seconds
     assert PassReport.from_json(report.to_json()).final_check_seconds == report.final_check_seconds
     assert f"(final check {report.final_check_seconds * 1000:.1f})" in report.to_table().splitlines()[-1]
     checked.clear()
     assert PassManager([NoOpPass()], check="incremental")(relu_model).report.final_check_seconds == 0
-    assert checked == [1]  # the input; nothing changed, so nothing more to check
+    assert checked == [0]  # the input's header; nothing changed, so nothing more to check
 
 
 def test_the_final_check_names_the_pass_the_incremental_checks_let_through(relu_model, blind_incremental_check):
