@@ -648,3 +648,32 @@ def test_shapes_missing_are_named_by_the_analysis():
     assert not report.plans
     assert any(re.search(r"the size of '.+' is unknown", s.reason) for s in report.skipped)
     assert ir.to_proto(model).SerializeToString() == before
+
+
+# -- the incremental mode's input check against the onnx checker ----------------------------
+
+
+def _refused(check: Callable[[ir.Model], Any], model: ir.Model) -> bool:
+    try:
+        check(model)
+    except Exception:  # noqa: BLE001 - only whether it refused is compared
+        return True
+    return False
+
+
+def test_the_input_check_on_the_ir_refuses_what_the_onnx_checker_refuses(tmp_path: Path):
+    """The default check mode checks its input on the IR (``checks.input_check``) instead of
+    serializing it for the onnx checker; on every model of the corpus both give one verdict."""
+    from ortpass import checks
+
+    verdicts = {}
+    for i, case in enumerate(CASES):
+        directory = tmp_path / str(i)
+        directory.mkdir()
+        model = _make(case, directory).model
+        if model is not None:
+            verdicts[case.id] = (_refused(checks.full_check, model), _refused(checks.input_check, model))
+    assert len(verdicts) >= 20
+    assert sum(full for full, _ in verdicts.values()) >= 5  # the corpus has models both refuse
+    disagree = {case: v for case, v in verdicts.items() if v[0] != v[1]}
+    assert not disagree, f"(onnx checker refused, input check refused) differ: {disagree}"
