@@ -5,7 +5,7 @@ batch 2, seq 128, dropout 0.1) at several layer counts, exported and built into 
 graph.  Two flavours:
 
 - ``static``: every dim concrete.  Layers 2, 8, 24, 48 and, to reach ~50k training-graph
-  nodes (~130 per layer), 192 and 384;
+  nodes (~91 per layer), 192 and 576;
 - ``dynamic``: batch and seq symbolic (``dynamic_axes``), as ORTModule exported; the
   training graph has ~35% more nodes (shape arithmetic) and the recompute analysis
   evaluates symbolic sizes.
@@ -14,8 +14,8 @@ For each graph, in a fresh subprocess with a time limit (a configuration that ru
 is recorded as timed out):
 
 - the whole pipeline from the forward model, through ``ortpass.PassManager`` in its
-  default check mode (the onnx checker on the input and the output, its rules on the IR
-  after every pass): ``pythonop-shape-inference``,
+  default check mode (the checker's rules on the IR for the input and after every pass,
+  the onnx checker itself on the output): ``pythonop-shape-inference``,
   ``insert-gather-before-sce-loss``, ``build-training-graph``,
   ``fix-dropout-seed(level=1)``, ``recompute(level=1)``, both with ``min_elements=0``
   (the default floor of 1Mi elements, ORT's, leaves nothing to recompute in graphs this
@@ -25,9 +25,9 @@ is recorded as timed out):
   separately; the final check; the manager's overhead (the input check, copying the
   model, the before/after node diff) is the wall time minus those;
 - the post-grad passes alone on the training graph, once in each check mode of
-  ``PassManager`` (``full``; ``incremental``: the checker's rules on the IR after each
-  pass and the onnx checker on the output; ``none``): the manager's wall time and its
-  check seconds;
+  ``PassManager`` (``full``; ``incremental``: the checker's rules on the IR for the
+  input and after each pass, the onnx checker on the output; ``none``): the manager's
+  wall time and its check seconds;
 - ORT's own optimizer on the graph ORTModule would run (``OrtModuleGraphBuilder``'s
   gradient graph of the same forward nodes): session creation without and with the
   memory optimizer at level 1 (``optimization.memory_optimizer_config`` = a JSON file
