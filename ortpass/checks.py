@@ -1,8 +1,9 @@
 """The checks ``PassManager`` runs on the input model and after every pass.
 
 ``"full"`` serializes the model and runs ``onnx.checker.check_model``; ``"incremental"``
-applies the same rules on the IR, looking again only at what changed since the last
-check (see :func:`incremental_check`); ``"none"`` checks nothing.  What a check accepted
+applies the same rules on the IR, to the whole input (:func:`input_check`), then looking
+again only at what changed since the last check (:func:`incremental_check`); ``"none"``
+checks nothing.  What a check accepted
 (:data:`Checked`) is handed to the next check, and in the full mode the serialization is
 also the manager's rollback point.
 """
