@@ -549,7 +549,7 @@ class PassManager(ir.passes.FunctionalPass):
         instruments: hook objects, see :mod:`ortpass.instruments`.
 
     Calling the manager returns a :class:`ManagerResult` (``.model``, ``.modified``,
-    ``.report``); the report of the latest run is also kept in ``.report``.  If a pass
+    ``.report``, ``.proto``); the report of the latest run is also kept in ``.report``.  If a pass
     fails it raises :class:`~ortpass.errors.PassFailedError` carrying the model as it was
     before that pass and the report so far.  The nodes a pass creates are tagged with its
     name in node metadata (``CREATED_BY_KEY``) unless the pass tagged them itself.
