@@ -602,16 +602,17 @@ class PassManager(ir.passes.FunctionalPass):
         point = RollbackPoint.at_input(model)
         nodes = None  # the nodes of ``current``, as the pass before left them
         try:
-            for position, pass_ in enumerate(self.passes, start=1):
-                current, checked, nodes = self._run_pass(
-                    position, pass_, current, report, checked, cache, point, nodes, owned=current is not model
-                )
+            try:
+                for position, pass_ in enumerate(self.passes, start=1):
+                    current, checked, nodes = self._run_pass(
+                        position, pass_, current, report, checked, cache, point, nodes, owned=current is not model
+                    )
+            except PassFailedError as failure:
+                if self.check == "incremental":
+                    self._refuse_input_if_the_checker_does(model, f"pass {failure.pass_name!r} failed: {failure.reason}")
+                raise
             if self.check == "incremental" and not all(map(self._unchanged, report.records)):
                 checked = self._final_check(model, current, report)
-        except PassFailedError as failure:
-            if self.check == "incremental":
-                self._refuse_input_if_the_checker_does(model, failure)
-            raise
         finally:
             self._notify("run_end", current, report)
         if current is model:  # nothing replaced the input; a functional pass returns a new model
@@ -631,28 +632,31 @@ class PassManager(ir.passes.FunctionalPass):
         """The onnx checker itself on ``out``, the model the run returns, after the
         incremental checks (so what they cannot see, like a tensor changed in place,
         does not leave the manager); returns the serialization it accepted.  Should it
-        refuse ``out``, the passes run again from ``model`` with the checker after each,
-        to name the first whose output it refuses."""
+        refuse ``out`` and accept the input, the passes run again from ``model`` with the
+        checker after each, to name the first whose output it refuses."""
         start = time.perf_counter()
         try:
             proto = full_check(out)
         except Exception as exc:  # noqa: BLE001 - the pass to blame is looked for and named
             report.final_check_seconds = time.perf_counter() - start
-            self._blame_first_refused(model, report, _describe(exc), exc)
+            reason = _describe(exc)
+            # Before running every pass again: the input may be what the checker refuses.
+            self._refuse_input_if_the_checker_does(model, f"the final check refused the output: {reason}")
+            self._blame_first_refused(model, report, reason, exc)
         report.final_check_seconds = time.perf_counter() - start
         return proto
 
     @staticmethod
-    def _refuse_input_if_the_checker_does(model: ir.Model, failure: PassFailedError) -> None:
+    def _refuse_input_if_the_checker_does(model: ir.Model, found_when: str) -> None:
         """In the incremental mode the input got the checker's rules on the IR, not the
-        checker itself (see :func:`ortpass.checks.input_check`).  Should a pass fail on
-        an input that only the checker refuses, the input is to blame, not the pass."""
+        checker itself (see :func:`ortpass.checks.input_check`).  Should a pass fail, or
+        the final check refuse, on an input that only the checker refuses, the input is to
+        blame, not a pass.  ``found_when``: what failed, for the message."""
         try:
             full_check(model)
         except Exception as exc:  # noqa: BLE001 - named in the error raised
             raise ModelLoadError(
-                f"the input model fails the onnx checker: {_describe(exc)} (found when pass "
-                f"{failure.pass_name!r} failed: {failure.reason})"
+                f"the input model fails the onnx checker: {_describe(exc)} (found when {found_when})"
             ) from exc
 
     def _blame_first_refused(self, model: ir.Model, report: PassReport, reason: str, exc: Exception) -> NoReturn:
