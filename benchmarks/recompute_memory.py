@@ -4,7 +4,7 @@ optimizer vs torch eager, with and without torch.utils.checkpoint per block.
 Model: ``ortpass.testing.models.GPTDecoder`` (vocab 2048, hidden 256, 4 heads, seq 512,
 batch 8, dropout 0.1), 4 layers and, with ``--layers 4 8``, 8 layers.
 
-How memory is measured (shared/reference/stack-facts.md):
+How memory is measured (docs/design/ort-facts.md):
 
 - every configuration runs in a fresh process started by this script, which imports only
   the standard library (a child inherits its parent's high-water mark, and torch alone

@@ -5,7 +5,7 @@ the loss and its gradient spend most of their time on rows that contribute nothi
 pass computes the indices of the valid labels and gathers only those rows of the logits and
 labels before the loss, so the softmax, the loss and (after the gradient build) their
 gradients run on the valid rows only.  It is ORTModule's ``InsertGatherBeforeSceLoss``;
-see ``shared/reference/ort-training-facts.md`` section 2.
+see ``docs/design/ort-facts.md``.
 
 Which losses are worth it is decided at export: :func:`ortpass.export.density.density_probe`
 measures each cross-entropy's label density on the export batch and routes sparse labels

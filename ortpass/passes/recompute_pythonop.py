@@ -3,7 +3,7 @@
 A ``com.microsoft::PythonOp`` runs a ``torch.autograd.Function`` through the torch bridge
 (:mod:`ortpass.runtime.bridge`).  A FlashAttention-like Function draws its dropout mask from
 torch's global generator and keeps its inputs in its ``ctx`` for backward.  Recomputing it
-(ORT PR #20603, ``shared/reference/ort-training-facts.md`` section 3) means:
+(ORT PR #20603, ``docs/design/ort-facts.md``) means:
 
 - the forward node runs in inference mode (``training_mode`` 0): torch keeps no graph and
   no saved tensors for it; it gains two uint8 outputs, the CPU and the device generator

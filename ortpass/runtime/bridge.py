@@ -176,7 +176,7 @@ def prepare(model: ir.Model) -> None:
     logger.debug("bridge ready for %s", sorted(names))
 
 
-#: Attributes ORT's PythonOp kernel cannot run without (shared/reference/ort-training-facts.md §1):
+#: Attributes ORT's PythonOp kernel cannot run without (docs/design/ort-facts.md):
 #: the Function to call, how its arguments map to inputs, and its outputs' types and ranks.
 REQUIRED_PYTHONOP_ATTRIBUTES = ("func_name", "input_convention", "output_tensor_types", "output_tensor_ranks")
 

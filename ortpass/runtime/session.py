@@ -6,7 +6,7 @@ every session:
 
 - ORT's CommonSubexpressionElimination is disabled.  It merges a recompute clone
   (``Gelu(h) -> a_recompute``) back into its original, silently, undoing RecomputePass
-  (measured on 1.19.2; shared/reference/stack-facts.md).  Training graphs from
+  (measured on 1.19.2; docs/design/ort-facts.md).  Training graphs from
   ``build_training_graph`` have had ORT's own pre-training transformers already, so
   little is lost.
 - SkipLayerNormFusion is disabled too: after recompute, a residual ``Add`` whose only

@@ -31,7 +31,7 @@ __all__ = ["build_training_graph", "check_forward_model", "clamp_for_ort", "MAX_
 
 logger = logging.getLogger(__name__)
 
-# What ORT 1.19.2 loads (measured; shared/reference/stack-facts.md).
+# What ORT 1.19.2 loads (measured; docs/design/ort-facts.md).
 MAX_ORT_OPSET = 21
 MAX_ORT_IR_VERSION = 10
 
