@@ -26,6 +26,7 @@ import onnx_ir as ir
 from ortpass.analysis.partition import SIDE_KEY, TrainingInfo, set_training_info, tag
 from ortpass.errors import TrainingGraphError
 from ortpass.metadata import get_export_info
+from ortpass.ort_schemas import register_ort_schemas
 
 __all__ = ["build_training_graph", "check_forward_model", "clamp_for_ort", "MAX_ORT_OPSET", "MAX_ORT_IR_VERSION"]
 
@@ -34,6 +35,9 @@ logger = logging.getLogger(__name__)
 # What ORT 1.19.2 loads (measured; docs/design/ort-facts.md).
 MAX_ORT_OPSET = 21
 MAX_ORT_IR_VERSION = 10
+
+# onnx's shape inference then gives SimplifiedLayerNormalization's InvStdDev a shape.
+register_ort_schemas()
 
 _FLOAT_TYPES = {ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE}
 
