@@ -326,6 +326,9 @@ def _register_defaults() -> None:
         ("Gemm", (1, 6, 7, 9, 11, 13), advanced, ()),
         ("Softmax", (1, 11, 13), advanced, ()),
         ("LayerNormalization", (1, 17), advanced, ()),
+        # Advanced, as in ORT and like LayerNormalization: a reduction over the hidden dim
+        # per token, costlier to redo than element-wise ops.  ORT's fusions make it of
+        # every RMSNorm (LLaMA, T5); its InvStdDev gets a size from ortpass.ort_schemas.
         ("SimplifiedLayerNormalization", (1,), advanced, ()),
     ]
     for op_type, versions, level, ignored in onnx_ops:
