@@ -97,6 +97,7 @@ def build_training_graph(
     _reduce_broadcast_where_gradients(training_proto, forward_names)
     clamp_for_ort(training_proto)
     training_proto = _infer_shapes(training_proto)
+    _shape_concat_training_lengths(training_proto)
     gradients = _check_gradient_outputs(training_proto, params)
     _check_gradient_shapes(training_proto, gradients)
     _order_outputs(training_proto, [loss, *gradients.values()])
@@ -433,6 +434,22 @@ def _infer_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
     except Exception as exc:
         logger.warning("shape inference on the training graph failed (%s); continuing without it", exc)
         return proto
+
+
+def _shape_concat_training_lengths(proto: onnx.ModelProto) -> None:
+    """Give ``com.microsoft::ConcatTraining``'s second output (the length of each input
+    along the axis, int64, one per input: ORT's schema) its shape, which onnx's inference
+    cannot (it knows no com.microsoft op).  ORT's fusions turn every Concat into one; the
+    recompute analysis skipped each candidate that would stash or clone such a value
+    ("the size of 'per_input_length_token_8' is unknown")."""
+    known = {info.name for info in (*proto.graph.value_info, *proto.graph.output, *proto.graph.input)}
+    for node in proto.graph.node:
+        if node.domain == "com.microsoft" and node.op_type == "ConcatTraining" and len(node.output) > 1:
+            lengths = node.output[1]
+            if lengths and lengths not in known:
+                proto.graph.value_info.append(
+                    onnx.helper.make_tensor_value_info(lengths, onnx.TensorProto.INT64, [len(node.input)])
+                )
 
 
 def _check_gradient_outputs(proto: onnx.ModelProto, params: Sequence[str]) -> dict[str, str]:
