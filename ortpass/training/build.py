@@ -368,7 +368,7 @@ def _infer_forward_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
     Where onnx's inference leaves every value fully static there is no dim to name, and
     its result is used instead (see :func:`_infer_static_shapes`).
     """
-    static = _infer_known_shapes(proto)
+    static = _infer_static_shapes(proto)
     if static is not None:
         return static
     from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
@@ -392,7 +392,7 @@ def _infer_forward_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
     return inference.out_mp_
 
 
-def _infer_known_shapes(proto: onnx.ModelProto) -> onnx.ModelProto | None:
+def _infer_static_shapes(proto: onnx.ModelProto) -> onnx.ModelProto | None:
     """onnx's own shape inference (C++, with data propagation, so that a Reshape's target
     computed from Shape is known) if it gives every node output a tensor shape of known
     ints; None otherwise, and for graphs with subgraphs, whose values it does not list.
