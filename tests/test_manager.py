@@ -353,6 +353,21 @@ class CountCopies:
         monkeypatch.setattr(ir.Model, "clone", counting_clone)
 
 
+@pytest.fixture
+def fake_clock(monkeypatch):
+    """``time.perf_counter`` that only ``time.sleep`` advances (and sleeps that do not
+    wait): the rollback's copy-or-run-again choice compares timings, which on a loaded
+    machine the scheduler decides, not the passes."""
+    clock = [0.0]
+
+    def sleep(seconds: float) -> None:
+        clock[0] += seconds
+
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(time, "sleep", sleep)
+    return clock
+
+
 class SlowInsertIdentityPass(InsertIdentityPass):
     """Takes far longer than ten copies of the small test model, so a copy after it pays."""
 
@@ -379,8 +394,8 @@ class AddsMoreNodesEachRunPass(OrtPass):
 
 
 @pytest.mark.parametrize("check", ["incremental", "none"])
-def test_fast_passes_are_run_again_on_rollback_instead_of_copied_before(relu_model, check, monkeypatch):
-    copies = CountCopies(monkeypatch, seconds=0.05)  # as if the model were large
+def test_fast_passes_are_run_again_on_rollback_instead_of_copied_before(relu_model, check, monkeypatch, fake_clock):
+    copies = CountCopies(monkeypatch, seconds=0.05)  # as if the model were large; the passes take no time
     passes = [InsertIdentityPass(), InsertIdentityPass(), ReluToMsGeluPass(), RaisesHalfwayPass()]
     snapshots = SnapshotBeforeEachPass()
     with pytest.raises(PassFailedError, match="boom") as info:
@@ -394,8 +409,8 @@ def test_fast_passes_are_run_again_on_rollback_instead_of_copied_before(relu_mod
 
 
 @pytest.mark.parametrize("check", ["incremental", "none"])
-def test_a_pass_much_slower_than_a_copy_is_followed_by_a_copy(relu_model, check, monkeypatch):
-    copies = CountCopies(monkeypatch)
+def test_a_pass_much_slower_than_a_copy_is_followed_by_a_copy(relu_model, check, monkeypatch, fake_clock):
+    copies = CountCopies(monkeypatch, seconds=0.001)  # 50 copies' time in the slow pass
     with pytest.raises(PassFailedError) as info:
         PassManager([SlowInsertIdentityPass(), InsertIdentityPass(), RaisesHalfwayPass()], check=check)(relu_model)
     # The caller's model, then the model after the slow pass; the rollback copies that
