@@ -1,36 +1,69 @@
-"""Loading and saving models with errors that name the problem."""
+"""Loading and saving models with errors that name the problem, and the one place that
+writes files.
+
+Every file ortpass writes goes through :func:`write_file`: the bytes go to a private
+temporary file created next to the target (exclusive create, so a symlink or a file left
+at a guessed name is never followed or reused), are flushed to disk, and the temporary
+file is then renamed over the target in one step.  A reader sees the old file or the new
+one, never a part; concurrent writers each rename a whole file of their own, so the last
+one wins whole; a failed write leaves the target as it was and removes its temporary file.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import stat
+import tempfile
 from pathlib import Path
+from typing import Callable, Iterator
 
 import onnx
 import onnx_ir as ir
 
 from ortpass.errors import ModelLoadError
 
-__all__ = ["load", "save", "to_proto_checked"]
+__all__ = ["load", "save", "to_proto_checked", "write_file", "write_with", "real_target", "elide"]
 
 logger = logging.getLogger(__name__)
+
+#: Longest piece of user-given text (a value, a path, a plan string) an error message
+#: quotes whole; longer ones are cut in the middle (see :func:`elide`).
+MAX_QUOTED = 200
+
+
+def elide(text: str, limit: int = MAX_QUOTED) -> str:
+    """``text`` cut to about ``limit`` characters, keeping its start and end, saying how
+    much was left out: a megabyte plan string must not become a megabyte message."""
+    if len(text) <= limit:
+        return text
+    keep = max(limit // 2 - 10, 1)
+    return f"{text[:keep]}...[{len(text) - 2 * keep} characters]...{text[-keep:]}"
 
 
 def load(path: str | os.PathLike) -> ir.Model:
     """Read an ONNX file into an onnx_ir model.
 
-    Raises ModelLoadError naming the file when it is missing, is not a protobuf, or is
-    not a model (no graph).
+    Raises ModelLoadError naming the file when it is missing, is not a regular file (a
+    directory, a FIFO, a device), is not a protobuf, or is not a model (no graph).
     """
     path = Path(path)
-    if path.is_dir():
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise ModelLoadError(f"{path}: no such file") from None
+    except OSError as exc:
+        raise ModelLoadError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    if stat.S_ISDIR(mode):
         raise ModelLoadError(f"{path}: is a directory, not an ONNX model file")
-    if not path.is_file():
-        raise ModelLoadError(f"{path}: no such file")
+    if not stat.S_ISREG(mode):
+        # Reading a FIFO blocks and /dev/zero never ends: refuse before opening them.
+        raise ModelLoadError(f"{path}: is a {_file_kind(mode)}, not a regular file; give an ONNX model file")
     try:
         proto = onnx.load(str(path), load_external_data=True)
     except Exception as exc:  # protobuf's DecodeError and friends
-        raise ModelLoadError(f"{path}: not a readable ONNX protobuf ({type(exc).__name__}: {exc})") from exc
+        raise ModelLoadError(f"{path}: not a readable ONNX protobuf ({type(exc).__name__}: {elide(str(exc))})") from exc
     if not proto.HasField("graph"):
         raise ModelLoadError(f"{path}: the file parses but holds no graph (empty or not an ONNX model)")
     try:
@@ -39,30 +72,117 @@ def load(path: str | os.PathLike) -> ir.Model:
         raise ModelLoadError(f"{path}: malformed ONNX model ({_root_cause(exc)})") from exc
 
 
+def _file_kind(mode: int) -> str:
+    kinds = {
+        stat.S_ISFIFO: "FIFO (named pipe)",
+        stat.S_ISCHR: "character device",
+        stat.S_ISBLK: "block device",
+        stat.S_ISSOCK: "socket",
+    }
+    return next((name for test, name in kinds.items() if test(mode)), "special file")
+
+
 def _root_cause(exc: BaseException) -> str:
     """The innermost exception's message: onnx_ir wraps the one that names the bad value
     ("Output 'h' is redeclared ...") in "Error calling _deserialize_graph with: g"."""
     while exc.__cause__ is not None:
         exc = exc.__cause__
-    return f"{type(exc).__name__}: {exc}"
+    return f"{type(exc).__name__}: {elide(str(exc))}"
+
+
+def real_target(path: str | os.PathLike) -> Path:
+    """Where writing ``path`` lands: a symlink is written through to the file it points
+    to (the link stays a link), as ``cp`` and editors do."""
+    path = Path(os.path.abspath(path))
+    return Path(os.path.realpath(path)) if path.is_symlink() else path
+
+
+def write_with(path: str | os.PathLike, write: Callable[[Path], None], *, overwrite: bool = True, suffix: str = "") -> Path:
+    """Write ``path`` atomically: ``write(tmp)`` fills a fresh private file beside it,
+    which then replaces ``path``.  Returns the path written (through a symlink, its target).
+
+    ``suffix``: the temporary file's suffix, for writers that pick a format by it
+    (matplotlib).  Raises FileExistsError if ``path`` exists and not ``overwrite`` (checked
+    again at the rename, so a file created meanwhile is not replaced), IsADirectoryError
+    or NotADirectoryError when the path cannot be a file.
+    """
+    target = real_target(path)
+    if target.is_dir():
+        raise IsADirectoryError(f"{path} is a directory; give a file name")
+    if target.exists() and not overwrite:
+        raise FileExistsError(f"{path} exists; refusing to overwrite it")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _temporary_beside(target, suffix) as tmp:
+        write(tmp)
+        _fsync(tmp)
+        mode = target.stat().st_mode & 0o7777 if target.exists() else _default_mode()
+        os.chmod(tmp, mode)
+        if overwrite:
+            os.replace(tmp, target)
+        else:
+            os.link(tmp, target)  # fails if the target appeared meanwhile: never replaces it
+    _fsync_directory(target.parent)
+    logger.debug("wrote %s", target)
+    return target
+
+
+def write_file(path: str | os.PathLike, data: bytes | str, *, overwrite: bool = True) -> Path:
+    """Write ``data`` (str as UTF-8) to ``path`` atomically; see :func:`write_with`."""
+    payload = data.encode("utf-8") if isinstance(data, str) else data
+    return write_with(path, lambda tmp: tmp.write_bytes(payload), overwrite=overwrite)
+
+
+@contextlib.contextmanager
+def _temporary_beside(target: Path, suffix: str) -> Iterator[Path]:
+    # mkstemp opens with O_CREAT | O_EXCL under a random name: an existing file or symlink
+    # at that name makes it pick another, so nothing outside is followed or clobbered.
+    fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=suffix or ".tmp", dir=target.parent)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Make the rename durable; some file systems refuse to sync a directory."""
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _default_mode() -> int:
+    """0o666 less the umask, what ``open(path, "w")`` would have given (mkstemp uses 0o600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 def save(
     model: ir.Model, path: str | os.PathLike, *, overwrite: bool = False, serialized: onnx.ModelProto | None = None
 ) -> None:
-    """Write ``model`` to ``path``; refuse to replace an existing file unless ``overwrite``.
+    """Write ``model`` to ``path`` atomically (:func:`write_with`); refuse to replace an
+    existing file unless ``overwrite``.
 
     ``serialized``: ``model`` already serialized (``ManagerResult.proto``), written
     instead of serializing it again (0.65 s of a 1 s save at 17.5k nodes).
     """
-    path = Path(path)
-    if path.exists() and not overwrite:
-        raise FileExistsError(f"{path} exists; refusing to overwrite it")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    onnx.save(serialized if serialized is not None else ir.to_proto(model), str(tmp))
-    os.replace(tmp, path)  # never leave a half-written file under the final name
-    logger.info("wrote %s", path)
+    proto = serialized if serialized is not None else ir.to_proto(model)
+    written = write_with(path, lambda tmp: onnx.save(proto, str(tmp)), overwrite=overwrite)
+    logger.info("wrote %s", written)
 
 
 def to_proto_checked(model: ir.Model) -> onnx.ModelProto:

@@ -29,7 +29,7 @@ class BuildTrainingGraphPass(OrtFunctionalPass):
 
     provides_properties = {"training-graph"}
 
-    def __init__(self, params: Sequence[str] | None = None, loss: str | None = None, ort_fusions: bool = True):
+    def __init__(self, params: Sequence[str] | None = None, loss: str | None = None, ort_fusions: bool = True) -> None:
         super().__init__()
         self.params = list(params) if params is not None else None
         self.loss = loss
