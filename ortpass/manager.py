@@ -64,6 +64,7 @@ from ortpass.options import check_options
 from ortpass.passes.base import CREATED_BY_KEY, PassDeclarations
 from ortpass.registry import get_pass
 from ortpass.rollback import RollbackPoint
+from ortpass.validate import check_model
 
 __all__ = [
     "TRAINING_GRAPH",
@@ -596,6 +597,7 @@ class PassManager(ir.passes.FunctionalPass):
         # in-place passes can work on the manager's own copy instead of a fresh clone each
         # (on a 6k-node training graph a clone costs about as much as the recompute analysis).
         checked = self._check_input(model)
+        self._refuse_bad_input(model)
         self._notify("run_begin", self.passes, model)
         current = model
         cache = AnalysisCache()
@@ -678,6 +680,14 @@ class PassManager(ir.passes.FunctionalPass):
             "when the passes ran again (a pass is not deterministic); nothing was applied"
         )
         raise PassFailedError(records[-1].name, reason, model=model.clone(), report=report) from exc
+
+    def _refuse_bad_input(self, model: ir.Model) -> None:
+        """Malformed metadata and attributes, and what a pass declares it cannot take
+        (:meth:`PassDeclarations.check_input`), are refused before any pass runs."""
+        check_model(model)
+        for pass_ in self.passes:
+            if isinstance(pass_, PassDeclarations):
+                pass_.check_input(model)
 
     def _check_input(self, model: ir.Model) -> Checked:
         """Check the input; in the incremental mode with the checker's rules on the IR

@@ -17,6 +17,7 @@ from ortpass.analysis.partition import get_partition, is_training_graph
 from ortpass.passes.base import OrtFunctionalPass
 from ortpass.registry import register_pass
 from ortpass.training.build import build_training_graph
+from ortpass.validate import check_for_gradient_build
 
 __all__ = ["BuildTrainingGraphPass"]
 
@@ -34,6 +35,10 @@ class BuildTrainingGraphPass(OrtFunctionalPass):
         self.params = list(params) if params is not None else None
         self.loss = loss
         self.ort_fusions = ort_fusions
+
+    def check_input(self, model: ir.Model) -> None:
+        if not is_training_graph(model):
+            check_for_gradient_build(model, self.params)
 
     def requires(self, model: ir.Model) -> None:
         if is_training_graph(model):
