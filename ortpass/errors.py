@@ -13,6 +13,7 @@ __all__ = [
     "TrainingGraphError",
     "PlanError",
     "UnregisteredFunctionError",
+    "GoldenCaseError",
 ]
 
 
@@ -57,6 +58,10 @@ class TrainingGraphError(OrtpassError):
 
 class PlanError(OrtpassError):
     """A recompute plan string, list or JSON file is malformed."""
+
+
+class GoldenCaseError(OrtpassError):
+    """A golden case file cannot be imported, has no ``case()``, or its ``case()`` fails."""
 
 
 class UnregisteredFunctionError(OrtpassError):

@@ -8,8 +8,9 @@ Two levels:
   ``com.microsoft::PythonOp``'s attributes have the types ORT's schema gives them.
 * :func:`check_for_gradient_build` - what ORT's gradient builder cannot differentiate, or
   would differentiate wrongly: an empty graph, model-local functions, a control-flow
-  subgraph that reads a parameter from the outer scope, and declared shapes that
-  contradict each other (onnx's strict shape inference).  The gradient-build pass runs
+  subgraph that reads a parameter from the outer scope, a PythonOp whose Function nobody
+  registered, and declared shapes that contradict each other (onnx's strict shape
+  inference).  The gradient-build pass runs
   it on the pipeline's input (:meth:`PassDeclarations.check_input`), so a bad model is bad
   input (exit 2), not a failed pass.
 
@@ -48,11 +49,25 @@ def _node_label(node: ir.Node) -> str:
 
 
 def check_model(model: ir.Model) -> None:
-    """Refuse malformed ortpass metadata and PythonOp attributes of the wrong type."""
+    """Refuse malformed ortpass metadata, text attributes that are not UTF-8, and
+    PythonOp attributes of the wrong type."""
     get_export_info(model)
     for node in model.graph.all_nodes():
+        _check_text_attributes(node)
         if node.domain == MS_DOMAIN and node.op_type in ("PythonOp", "PythonOpGrad"):
             _check_pythonop_attributes(node)
+
+
+def _check_text_attributes(node: ir.Node) -> None:
+    """onnx_ir keeps a STRING attribute that is not UTF-8 as bytes and then cannot write
+    the model back; ONNX requires UTF-8."""
+    for name, attr in node.attributes.items():
+        if attr.type == ir.AttributeType.STRING and not isinstance(attr.value, str):
+            raise ModelLoadError(
+                f"node {_node_label(node)}: attribute {name!r} is not UTF-8 text ({elide(repr(attr.value), 80)})"
+            )
+        if attr.type == ir.AttributeType.STRINGS and not all(isinstance(v, str) for v in attr.value):
+            raise ModelLoadError(f"node {_node_label(node)}: attribute {name!r} holds text that is not UTF-8")
 
 
 def _check_pythonop_attributes(node: ir.Node) -> None:
@@ -105,6 +120,10 @@ def check_for_gradient_build(model: ir.Model, params: Sequence[str] | None = Non
             "builder cannot differentiate; inline them first (onnx.inliner.inline_local_functions)"
         )
     _refuse_subgraphs_reading(graph, set(_params_of(model, params)))
+    if any(node.domain == MS_DOMAIN and node.op_type == "PythonOp" for node in graph):
+        from ortpass.runtime import bridge  # imports torch: only models with PythonOps need it
+
+        bridge.prepare(model)  # every Function registered (the gradient build calls back into them)
     if shapes:
         check_declared_shapes(ir.to_proto(model))
 
