@@ -25,7 +25,13 @@ import onnx_ir as ir
 
 from ortpass import io
 from ortpass.analysis.partition import get_training_info, is_training_graph
-from ortpass.errors import ModelLoadError, OrtpassError, PassFailedError, TrainingGraphError
+from ortpass.errors import (
+    ModelLoadError,
+    OrtpassError,
+    PassFailedError,
+    TrainingGraphError,
+    UnregisteredFunctionError,
+)
 from ortpass.instruments import ProgressInstrument
 from ortpass.io import elide
 from ortpass.manager import _pass_name, parse_pipeline, pipeline
@@ -62,6 +68,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.run(args)
     except PassFailedError as exc:
+        if isinstance(exc.__cause__, UnregisteredFunctionError):
+            # The model names a Function this process has not registered (and the command
+            # cannot register one): bad input, not a broken pass.
+            logger.error("%s: %s", type(exc.__cause__).__name__, exc.__cause__)
+            return 2
         logger.error("%s", exc)
         return 1
     except (OrtpassError, UsageError, OSError) as exc:

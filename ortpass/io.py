@@ -67,9 +67,44 @@ def load(path: str | os.PathLike) -> ir.Model:
     if not proto.HasField("graph"):
         raise ModelLoadError(f"{path}: the file parses but holds no graph (empty or not an ONNX model)")
     try:
-        return ir.from_proto(proto)
+        model = ir.from_proto(proto)
     except Exception as exc:
         raise ModelLoadError(f"{path}: malformed ONNX model ({_root_cause(exc)})") from exc
+    problem = _text_that_is_not_utf8(model)
+    if problem is not None:
+        raise ModelLoadError(f"{path}: malformed ONNX model ({problem} is not UTF-8 text, as ONNX requires)")
+    return model
+
+
+def _text_that_is_not_utf8(model: ir.Model) -> str | None:
+    """What holds bytes where text belongs.  onnx_ir keeps a string field that is not
+    UTF-8 as bytes, and then fails to write the model back, deep inside a pass."""
+    for key, value in model.metadata_props.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            return f"model metadata {key!r}"
+    for holder in (model, model.graph):
+        if not isinstance(holder.doc_string or "", str) or not isinstance(getattr(holder, "name", "") or "", str):
+            return f"the name or doc string of the {type(holder).__name__.lower()}"
+    graph_values = [*model.graph.inputs, *model.graph.outputs, *model.graph.initializers.values()]
+    for value in graph_values:
+        if not isinstance(value.name, str):
+            return f"graph value name {value.name!r}"
+    for node in model.graph.all_nodes():
+        for field in ("name", "op_type", "domain", "doc_string"):
+            if not isinstance(getattr(node, field) or "", str):
+                return f"the {field} of node {getattr(node, field)!r}"
+        for key, text in node.metadata_props.items():
+            if not isinstance(key, str) or not isinstance(text, str):
+                return f"metadata {key!r} of node {node.name!r}"
+        for value in node.outputs:
+            if not isinstance(value.name or "", str):
+                return f"output name {value.name!r} of node {node.name!r}"
+        for attr in node.attributes.values():
+            if attr.type == ir.AttributeType.STRING and not isinstance(attr.value, str):
+                return f"attribute {attr.name!r} of node {node.name!r}"
+            if attr.type == ir.AttributeType.STRINGS and not all(isinstance(v, str) for v in attr.value):
+                return f"attribute {attr.name!r} of node {node.name!r}"
+    return None
 
 
 def _file_kind(mode: int) -> str:

@@ -8,9 +8,9 @@ Two levels:
   ``com.microsoft::PythonOp``'s attributes have the types ORT's schema gives them.
 * :func:`check_for_gradient_build` - what ORT's gradient builder cannot differentiate, or
   would differentiate wrongly: an empty graph, model-local functions, a control-flow
-  subgraph that reads a parameter from the outer scope, a PythonOp whose Function nobody
-  registered, and declared shapes that contradict each other (onnx's strict shape
-  inference).  The gradient-build pass runs
+  subgraph that reads a parameter from the outer scope, and declared shapes that
+  contradict each other (onnx's strict shape inference).  (Whether a PythonOp's Function
+  is registered is asked by the build itself: pre-grad passes remove some PythonOps.)  The gradient-build pass runs
   it on the pipeline's input (:meth:`PassDeclarations.check_input`), so a bad model is bad
   input (exit 2), not a failed pass.
 
@@ -102,12 +102,15 @@ def _expected_pythonop_type(name: str) -> ir.AttributeType | None:
     return None
 
 
-def check_for_gradient_build(model: ir.Model, params: Sequence[str] | None = None, *, shapes: bool = True) -> None:
+def check_for_gradient_build(
+    model: ir.Model, params: Sequence[str] | None = None, *, shapes: bool = True, proto: onnx.ModelProto | None = None
+) -> None:
     """Refuse what ORT's gradient builder cannot differentiate (see the module docstring).
 
     ``params``: the parameters to differentiate; None: those the gradient build would pick
     (recorded at export, else every floating-point initializer that is not a scalar).
-    ``shapes``: also run :func:`check_declared_shapes` (it serializes the model).
+    ``shapes``: also run :func:`check_declared_shapes` on ``proto``, ``model`` serialized
+    (serialized here if not given).
     """
     check_model(model)
     graph = model.graph
@@ -120,12 +123,8 @@ def check_for_gradient_build(model: ir.Model, params: Sequence[str] | None = Non
             "builder cannot differentiate; inline them first (onnx.inliner.inline_local_functions)"
         )
     _refuse_subgraphs_reading(graph, set(_params_of(model, params)))
-    if any(node.domain == MS_DOMAIN and node.op_type == "PythonOp" for node in graph):
-        from ortpass.runtime import bridge  # imports torch: only models with PythonOps need it
-
-        bridge.prepare(model)  # every Function registered (the gradient build calls back into them)
     if shapes:
-        check_declared_shapes(ir.to_proto(model))
+        check_declared_shapes(proto if proto is not None else ir.to_proto(model))
 
 
 def _params_of(model: ir.Model, params: Sequence[str] | None) -> Iterable[str]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import io as _io
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +28,9 @@ SEED = 20261123
 def _mutate(data: bytes, rng: np.random.Generator) -> bytes:
     """One of a few byte-level mutations, at a random place."""
     buf = bytearray(data)
-    kind = rng.integers(6)
+    kind = rng.integers(8)
+    if kind >= 6:  # change one letter inside a run of text: the protobuf stays readable
+        return _mutate_text(buf, rng)
     at = int(rng.integers(len(buf)))
     if kind == 0:  # flip bits in a few bytes
         for i in rng.integers(len(buf), size=int(rng.integers(1, 9))):
@@ -44,6 +47,19 @@ def _mutate(data: bytes, rng: np.random.Generator) -> bytes:
     else:  # splice in bytes from elsewhere in the file
         src = int(rng.integers(len(buf)))
         buf[at:at] = buf[src : src + int(rng.integers(1, 128))]
+    return bytes(buf)
+
+
+_TEXT_RUN = re.compile(rb"[A-Za-z_./:]{4,}")
+
+
+def _mutate_text(buf: bytearray, rng: np.random.Generator) -> bytes:
+    """A letter of a name, an op type, an attribute or a metadata key changed in place
+    (same length): what a protobuf parser accepts and the model's meaning does not."""
+    runs = [m.span() for m in _TEXT_RUN.finditer(buf)]
+    start, end = runs[int(rng.integers(len(runs)))]
+    at = int(rng.integers(start, end))
+    buf[at] = int(rng.choice(list(b"abcxyzQ_0.{[\"\xff")))
     return bytes(buf)
 
 

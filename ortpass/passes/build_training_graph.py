@@ -16,7 +16,8 @@ import onnx_ir as ir
 from ortpass.analysis.partition import get_partition, is_training_graph
 from ortpass.passes.base import OrtFunctionalPass
 from ortpass.registry import register_pass
-from ortpass.training.build import build_training_graph
+from ortpass.metadata import get_export_info
+from ortpass.training.build import _resolve_loss, _resolve_params, build_training_graph, check_forward_model
 from ortpass.validate import check_for_gradient_build
 
 __all__ = ["BuildTrainingGraphPass"]
@@ -37,8 +38,17 @@ class BuildTrainingGraphPass(OrtFunctionalPass):
         self.ort_fusions = ort_fusions
 
     def check_input(self, model: ir.Model) -> None:
-        if not is_training_graph(model):
-            check_for_gradient_build(model, self.params)
+        """What the build would refuse only after the pre-grad passes ran: the model
+        (:func:`ortpass.validate.check_for_gradient_build`), its loss and parameters (given,
+        or recorded at export), and its graph structure."""
+        if is_training_graph(model):
+            return  # requires() refuses it, naming why
+        proto = ir.to_proto(model)
+        check_for_gradient_build(model, self.params, proto=proto)
+        export_info = get_export_info(model)
+        loss = _resolve_loss(proto, self.loss or export_info.get("loss"))
+        _resolve_params(proto, self.params if self.params is not None else export_info.get("params"))
+        check_forward_model(proto, loss)
 
     def requires(self, model: ir.Model) -> None:
         if is_training_graph(model):
