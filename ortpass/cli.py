@@ -31,9 +31,9 @@ from ortpass.errors import (
     PassFailedError,
     TrainingGraphError,
     UnregisteredFunctionError,
+    elide,
 )
 from ortpass.instruments import ProgressInstrument
-from ortpass.io import elide
 from ortpass.manager import _pass_name, parse_pipeline, pipeline
 from ortpass.metadata import get_export_info
 from ortpass.registry import available_passes, get_pass

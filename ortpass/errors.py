@@ -4,6 +4,7 @@ and names the thing that is wrong (a pass, a node, a file, a plan string)."""
 from __future__ import annotations
 
 __all__ = [
+    "elide",
     "OrtpassError",
     "ModelLoadError",
     "PassOrderingError",
@@ -15,6 +16,20 @@ __all__ = [
     "UnregisteredFunctionError",
     "GoldenCaseError",
 ]
+
+
+#: Longest piece of user-given text (a value, a path, a plan string) an error message
+#: quotes whole; longer ones are cut in the middle (see :func:`elide`).
+MAX_QUOTED = 200
+
+
+def elide(text: str, limit: int = MAX_QUOTED) -> str:
+    """``text`` cut to about ``limit`` characters, keeping its start and end, saying how
+    much was left out: a megabyte plan string must not become a megabyte message."""
+    if len(text) <= limit:
+        return text
+    keep = max(limit // 2 - 10, 1)
+    return f"{text[:keep]}...[{len(text) - 2 * keep} characters]...{text[-keep:]}"
 
 
 class OrtpassError(Exception):

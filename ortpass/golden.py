@@ -31,8 +31,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import onnx_ir as ir
 
-from ortpass.errors import GoldenCaseError
-from ortpass.io import elide
+from ortpass.errors import GoldenCaseError, elide
 
 __all__ = ["GoldenCase", "GoldenResult", "check", "compare", "discover", "load_case", "run_case", "update"]
 

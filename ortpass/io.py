@@ -22,25 +22,11 @@ from typing import Callable, Iterator
 import onnx
 import onnx_ir as ir
 
-from ortpass.errors import ModelLoadError
+from ortpass.errors import ModelLoadError, elide
 
-__all__ = ["load", "save", "to_proto_checked", "write_file", "write_with", "real_target", "elide"]
+__all__ = ["load", "save", "to_proto_checked", "write_file", "write_with", "real_target"]
 
 logger = logging.getLogger(__name__)
-
-#: Longest piece of user-given text (a value, a path, a plan string) an error message
-#: quotes whole; longer ones are cut in the middle (see :func:`elide`).
-MAX_QUOTED = 200
-
-
-def elide(text: str, limit: int = MAX_QUOTED) -> str:
-    """``text`` cut to about ``limit`` characters, keeping its start and end, saying how
-    much was left out: a megabyte plan string must not become a megabyte message."""
-    if len(text) <= limit:
-        return text
-    keep = max(limit // 2 - 10, 1)
-    return f"{text[:keep]}...[{len(text) - 2 * keep} characters]...{text[-keep:]}"
-
 
 def load(path: str | os.PathLike) -> ir.Model:
     """Read an ONNX file into an onnx_ir model.

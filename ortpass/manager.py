@@ -58,8 +58,9 @@ from ortpass.errors import (
     PassFailedError,
     PassOrderingError,
     PipelineSpecError,
+    elide,
 )
-from ortpass.io import elide, write_file, write_with
+from ortpass.io import write_file, write_with
 from ortpass.options import check_options
 from ortpass.passes.base import CREATED_BY_KEY, PassDeclarations
 from ortpass.registry import get_pass

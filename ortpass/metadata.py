@@ -7,7 +7,7 @@ from typing import Any
 
 import onnx_ir as ir
 
-from ortpass.errors import ModelLoadError
+from ortpass.errors import ModelLoadError, elide
 
 __all__ = ["EXPORT_KEY", "get_export_info"]
 
@@ -38,7 +38,6 @@ def get_export_info(model: ir.Model) -> dict[str, Any]:
 
 
 def _field_problem(info: dict[str, Any]) -> str | None:
-    from ortpass.io import elide
 
     loss, params, dims = info.get("loss"), info.get("params"), info.get("dims")
     if loss is not None and not isinstance(loss, str):

@@ -23,8 +23,7 @@ import types
 import typing
 from typing import Annotated, Any, Literal, Mapping
 
-from ortpass.errors import PipelineSpecError
-from ortpass.io import elide
+from ortpass.errors import PipelineSpecError, elide
 
 __all__ = ["AtLeast", "NonNegativeInt", "ProbeLevelOption", "RecomputeLevel", "check_options", "option_types"]
 

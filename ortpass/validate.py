@@ -26,8 +26,7 @@ from typing import Iterable, Sequence
 import onnx
 import onnx_ir as ir
 
-from ortpass.errors import ModelLoadError
-from ortpass.io import elide
+from ortpass.errors import ModelLoadError, elide
 from ortpass.metadata import get_export_info
 
 __all__ = ["check_model", "check_for_gradient_build", "check_declared_shapes"]
