@@ -244,3 +244,20 @@ def test_golden_without_dir_runs_only_the_current_directorys_cases_and_names_it(
     assert code == 2 and "defines no case() function" in err
     assert f"importing and running the case files of {cases}" in err
     assert (tmp_path / "marker").read_text() == "ran"  # that folder's code, and it ran
+
+
+@pytest.fixture(scope="module")
+def mlp_training(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("mlp") / "mlp.train.onnx"
+    code, _, err = _run("optimize", MLP, "-o", out, "--pipeline", "build-training-graph")
+    assert code == 0, err
+    return out
+
+
+@pytest.mark.parametrize(("name", "magic"), [("pd", b"\x89PNG"), ("timeline.svg", b"<?xml")])
+def test_plot_writes_exactly_the_path_given_in_the_format_of_its_suffix(mlp_training: Path, tmp_path: Path, name, magic):
+    """Without a suffix matplotlib would have added '.png' and written another file."""
+    code, _, err = _run("report", mlp_training, "--min-elements", "0", "--plot", tmp_path / name)
+    assert code == 0, err
+    assert (tmp_path / name).read_bytes().startswith(magic)
+    assert _listing(tmp_path) == {name}
