@@ -1,13 +1,19 @@
 """The ``ortpass`` command: optimize a model with a pipeline, list the passes, report on a
 model, check golden models.
 
-Exit codes: 0 success; 2 bad usage or bad input (a file that is not a model, a bad pipeline,
-a set of passes that cannot be ordered, an output that would overwrite the input); 1 a pass
-failed (the message names the pass and the reason; nothing is written), or a golden model
-no longer matches its expectations.
+Exit codes: 0 success; 2 bad usage or bad input (an argument, a file that is not a model,
+a malformed model, a bad pipeline or pass option, a set of passes that cannot be ordered,
+an output that would overwrite an input or another output, a model naming a Function
+nobody registered); 1 a pass failed (the message names the pass and the reason; no model
+is written), or a golden model no longer matches its expectations.
 
-The report table goes to stdout; progress and diagnostics go through ``logging`` to stderr
-(``-v`` for more, ``-q`` for less).
+Every output path is checked before any work starts (:func:`_check_outputs`), and every
+file is written atomically by :mod:`ortpass.io`, only once the run has succeeded (a
+failing run writes only the report asked for; ``--dump-dir`` files are written as the
+passes run).
+
+The report table goes to stdout; progress and diagnostics go through ``logging`` to stderr,
+one bounded line each (``-v`` for more, ``-q`` for less).
 """
 
 from __future__ import annotations
