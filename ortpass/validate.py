@@ -35,12 +35,23 @@ logger = logging.getLogger(__name__)
 
 MS_DOMAIN = "com.microsoft"
 
-# ORT's PythonOp / PythonOpGrad attribute schema (onnxruntime/core/graph/contrib_ops/
-# contrib_defs.cc): the attributes whose type a bad model gets wrong.  Any other
-# input_*/output_* attribute holds ints.
-_PYTHONOP_STRINGS = frozenset({"func_name", "input_convention", "comment"})
-_PYTHONOP_INTS = frozenset({"training_mode", "safe_run_mode"})
-_PYTHONOP_FLOAT_LISTS = frozenset({"input_float_scalars", "input_float_tuples"})
+# ORT's PythonOp / PythonOpGrad attribute schema (onnxruntime's contrib_defs.cc): the
+# attributes ortpass and ORT read, by type.  Others are let through.
+_PYTHONOP_ATTRIBUTE_TYPES = {
+    **dict.fromkeys(("func_name", "input_convention", "output_convention", "comment"), ir.AttributeType.STRING),
+    **dict.fromkeys(("training_mode", "safe_run_mode"), ir.AttributeType.INT),
+    **dict.fromkeys(("input_float_scalars", "input_float_tuples"), ir.AttributeType.FLOATS),
+    **dict.fromkeys(
+        (
+            "input_requires_grads", "input_tensor_types", "input_tensor_ranks", "output_tensor_types",
+            "output_tensor_ranks", "output_tensor_requires_grads", "input_int_scalars", "input_int_scalar_positions",
+            "input_float_scalar_positions", "input_int_tuples", "input_int_tuple_positions", "input_int_tuple_begins",
+            "input_float_tuple_positions", "input_float_tuple_begins", "input_pointer_scalars",
+            "input_pointer_scalar_positions",
+        ),
+        ir.AttributeType.INTS,
+    ),
+}
 
 
 def _node_label(node: ir.Node) -> str:
@@ -71,7 +82,7 @@ def _check_text_attributes(node: ir.Node) -> None:
 
 def _check_pythonop_attributes(node: ir.Node) -> None:
     for name, attr in node.attributes.items():
-        expected = _expected_pythonop_type(name)
+        expected = _PYTHONOP_ATTRIBUTE_TYPES.get(name)
         if expected is None:
             continue
         if attr.type != expected:
@@ -87,18 +98,6 @@ def _check_pythonop_attributes(node: ir.Node) -> None:
     func_name = node.attributes.get("func_name")
     if func_name is not None and not func_name.value:
         raise ModelLoadError(f"{node.op_type} node {_node_label(node)}: attribute 'func_name' is empty")
-
-
-def _expected_pythonop_type(name: str) -> ir.AttributeType | None:
-    if name in _PYTHONOP_STRINGS:
-        return ir.AttributeType.STRING
-    if name in _PYTHONOP_INTS:
-        return ir.AttributeType.INT
-    if name in _PYTHONOP_FLOAT_LISTS:
-        return ir.AttributeType.FLOATS
-    if name.startswith(("input_", "output_")):
-        return ir.AttributeType.INTS
-    return None
 
 
 def check_for_gradient_build(
