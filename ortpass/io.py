@@ -141,10 +141,23 @@ def write_with(path: str | os.PathLike, write: Callable[[Path], None], *, overwr
         if overwrite:
             os.replace(tmp, target)
         else:
-            os.link(tmp, target)  # fails if the target appeared meanwhile: never replaces it
+            _create_exclusively(tmp, target, path)
     _fsync_directory(target.parent)
     logger.debug("wrote %s", target)
     return target
+
+
+def _create_exclusively(tmp: Path, target: Path, given: str | os.PathLike) -> None:
+    """Give ``tmp`` the name ``target`` unless a file has it: a hard link fails if the
+    target appeared since the check, where a rename would replace it."""
+    try:
+        os.link(tmp, target)
+    except FileExistsError:
+        raise FileExistsError(f"{given} exists; refusing to overwrite it") from None
+    except OSError:  # a file system without hard links: check, then rename
+        if target.exists():
+            raise FileExistsError(f"{given} exists; refusing to overwrite it") from None
+        os.replace(tmp, target)
 
 
 def write_file(path: str | os.PathLike, data: bytes | str, *, overwrite: bool = True) -> Path:

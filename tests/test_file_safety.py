@@ -155,6 +155,36 @@ def test_concurrent_writers_leave_one_whole_file(tmp_path: Path):
     assert _listing(tmp_path) == {"same.onnx"}
 
 
+def _exclusive_writer(path: str, payload_size: int, results) -> None:
+    import onnx.helper as oh
+
+    graph = oh.make_graph([], f"writer{payload_size}", [], [])
+    graph.doc_string = "x" * payload_size
+    try:
+        io.save(ir.from_proto(oh.make_model(graph)), path)
+        results.put(("saved", payload_size))
+    except FileExistsError as exc:
+        results.put(("refused", str(exc)))
+
+
+def test_writers_that_must_not_replace_leave_the_first_file_whole(tmp_path: Path):
+    """4 processes save to one new path without overwrite: one succeeds, the others are told."""
+    target = tmp_path / "new.onnx"
+    ctx = multiprocessing.get_context("fork")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_exclusive_writer, args=(str(target), size, results)) for size in (10, 2_000, 90_000, 300_000)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    outcomes = [results.get(timeout=10) for _ in procs]
+    saved = [size for verdict, size in outcomes if verdict == "saved"]
+    assert len(saved) == 1, outcomes
+    assert all(re.search(r"new\.onnx exists; refusing to overwrite it", text) for verdict, text in outcomes if verdict == "refused")
+    assert onnx.load(str(target)).graph.doc_string == "x" * saved[0]
+    assert _listing(tmp_path) == {"new.onnx"}
+
+
 # -- report --dim on the golden BERT after optimize (issue #21) -----------------------------
 
 
