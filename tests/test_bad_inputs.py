@@ -832,7 +832,7 @@ def _make(case: Case, tmp: Path) -> Input:
 
 
 def test_the_corpus_is_large_enough():
-    assert len(CASES) >= 30
+    assert len(CASES) >= 110
     assert len({c.id for c in CASES}) == len(CASES), "case ids must be unique"
 
 
