@@ -184,9 +184,42 @@ def check_declared_shapes(proto: onnx.ModelProto) -> None:
     try:
         onnx.shape_inference.infer_shapes(proto, check_type=True, strict_mode=True)
     except onnx.shape_inference.InferenceError as exc:
-        raise ModelLoadError(f"the model's declared shapes are inconsistent: {_first_inference_error(str(exc))}") from None
+        where = _initializer_declared_otherwise(proto) or _first_inference_error(str(exc))
+        if "node " not in where and "initializer " not in where:
+            where = _without_value_info(proto) or where
+        raise ModelLoadError(f"the model's declared shapes are inconsistent: {where}") from None
     except (ValueError, onnx.checker.ValidationError) as exc:  # > 2 GiB, or a model the checker refuses
         logger.debug("shape consistency not checked: %s", exc)
+
+
+def _initializer_declared_otherwise(proto: onnx.ModelProto) -> str | None:
+    """An initializer whose dims contradict the shape declared for it (value_info or graph
+    input): onnx's message then says only "dimension 0: (16) vs (32)"."""
+    graph = proto.graph
+    declared = {v.name: v for v in [*graph.value_info, *graph.input] if v.type.HasField("tensor_type")}
+    for init in graph.initializer:
+        info = declared.get(init.name)
+        if info is None or not info.type.tensor_type.HasField("shape"):
+            continue
+        dims = [d.dim_value if d.HasField("dim_value") else None for d in info.type.tensor_type.shape.dim]
+        if len(dims) != len(init.dims) or any(d is not None and d != n for d, n in zip(dims, init.dims)):
+            shown = [d if d is not None else "?" for d in dims]
+            return f"initializer {init.name!r} holds a tensor of shape {list(init.dims)}, but its shape is declared {shown}"
+    return None
+
+
+def _without_value_info(proto: onnx.ModelProto) -> str | None:
+    """The node strict inference refuses once the declared intermediate shapes are set
+    aside: a message that names it, where the first did not."""
+    bare = onnx.ModelProto()
+    bare.CopyFrom(proto)
+    del bare.graph.value_info[:]
+    try:
+        onnx.shape_inference.infer_shapes(bare, check_type=True, strict_mode=True)
+    except onnx.shape_inference.InferenceError as exc:
+        found = _first_inference_error(str(exc))
+        return found if found.startswith("node ") else None
+    return None
 
 
 def _first_inference_error(text: str) -> str:
