@@ -141,7 +141,10 @@ def test_a_failing_pass_exits_1_naming_it_and_writes_no_model(model_file, tmp_pa
         "--report", str(report),
     ])
     assert code == 1
-    assert "pass 'cli-failing' failed: RuntimeError: this pass always fails" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "pass 'cli-failing' failed: RuntimeError: this pass always fails" in err
+    assert err.count("this pass always fails") == 1  # the reason once, not in the progress line too
+    assert "[2/2] cli-failing: FAILED, rolled back" in err
     assert not out.exists()
     records = json.loads(report.read_text())["passes"]
     assert [(r["name"], r["error"] is not None) for r in records] == [("cli-insert-identity", False), ("cli-failing", True)]
