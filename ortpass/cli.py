@@ -84,6 +84,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OrtpassError, UsageError, OSError) as exc:
         logger.error("%s: %s", type(exc).__name__, exc)
         return 2
+    except KeyboardInterrupt:
+        logger.error("interrupted; nothing was written but what the log above says")
+        return 130
     except Exception as exc:  # noqa: BLE001 - a bug: one line, the traceback with -v
         logger.error("internal error (a bug in ortpass; -v shows the traceback): %s: %s", type(exc).__name__, exc)
         logger.debug("traceback", exc_info=exc)
