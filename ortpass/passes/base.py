@@ -106,8 +106,9 @@ class PassDeclarations:
 
     def check_input(self, model: ir.Model) -> None:
         """Refuse, before any pass of the run starts, a pipeline input this pass could not
-        take (raise :class:`~ortpass.errors.ModelLoadError` naming the problem): bad input
-        is then reported as such, not as this pass failing.  The default accepts any."""
+        take (raise an :class:`~ortpass.errors.OrtpassError`, such as ModelLoadError, naming
+        the problem): bad input is then reported as such, not as this pass failing.  The
+        default accepts any."""
         del model
 
     def __repr__(self) -> str:

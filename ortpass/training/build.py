@@ -66,6 +66,8 @@ def build_training_graph(
     Raises:
         TrainingGraphError: the loss or a parameter cannot be found, the opset is newer
             than ORT 1.19.2 loads, or ORT's gradient builder refuses the graph.
+        ModelLoadError: the model has no nodes, local functions, a subgraph reading a
+            parameter, or malformed metadata (:func:`ortpass.validate.check_for_gradient_build`).
     """
     # The declared shapes are checked on the pipeline's input (the pass's check_input);
     # here only what ORT would report as its own internals, or get wrong.
