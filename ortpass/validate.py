@@ -29,7 +29,13 @@ import onnx_ir as ir
 from ortpass.errors import ModelLoadError, elide
 from ortpass.metadata import get_export_info
 
-__all__ = ["check_model", "check_for_gradient_build", "check_declared_shapes"]
+__all__ = [
+    "REQUIRED_PYTHONOP_ATTRIBUTES",
+    "check_declared_shapes",
+    "check_for_gradient_build",
+    "check_model",
+    "refuse_pythonop_missing_attributes",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +60,11 @@ _PYTHONOP_ATTRIBUTE_TYPES = {
 }
 
 
+#: Attributes ORT's PythonOp kernel cannot run without (docs/design/ort-facts.md):
+#: the Function to call, how its arguments map to inputs, and its outputs' types and ranks.
+REQUIRED_PYTHONOP_ATTRIBUTES = ("func_name", "input_convention", "output_tensor_types", "output_tensor_ranks")
+
+
 def _node_label(node: ir.Node) -> str:
     return f"{node.name!r} ({node.op_type})" if node.name else f"unnamed {node.op_type}"
 
@@ -66,6 +77,20 @@ def check_model(model: ir.Model) -> None:
         _check_text_attributes(node)
         if node.domain == MS_DOMAIN and node.op_type in ("PythonOp", "PythonOpGrad"):
             _check_pythonop_attributes(node)
+        refuse_pythonop_missing_attributes(node)
+
+
+def refuse_pythonop_missing_attributes(node: ir.Node) -> None:
+    """A PythonOp without an attribute ORT needs, named with the attribute (otherwise it
+    would surface as a call to an unregistered Function named '')."""
+    if node.domain != MS_DOMAIN or node.op_type != "PythonOp":
+        return
+    missing = [name for name in REQUIRED_PYTHONOP_ATTRIBUTES if name not in node.attributes]
+    if missing:
+        raise ModelLoadError(
+            f"PythonOp node {node.name or '<unnamed>'!r} lacks the required attribute(s) {missing}; "
+            "export it with ortpass.export.export, which writes every attribute ORT's kernel reads"
+        )
 
 
 def _check_text_attributes(node: ir.Node) -> None:
