@@ -4,6 +4,7 @@ and names the thing that is wrong (a pass, a node, a file, a plan string)."""
 from __future__ import annotations
 
 __all__ = [
+    "elide",
     "OrtpassError",
     "ModelLoadError",
     "PassOrderingError",
@@ -13,7 +14,22 @@ __all__ = [
     "TrainingGraphError",
     "PlanError",
     "UnregisteredFunctionError",
+    "GoldenCaseError",
 ]
+
+
+#: Longest piece of user-given text (a value, a path, a plan string) an error message
+#: quotes whole; longer ones are cut in the middle (see :func:`elide`).
+MAX_QUOTED = 200
+
+
+def elide(text: str, limit: int = MAX_QUOTED) -> str:
+    """``text`` cut to about ``limit`` characters, keeping its start and end, saying how
+    much was left out: a megabyte plan string must not become a megabyte message."""
+    if len(text) <= limit:
+        return text
+    keep = max(limit // 2 - 10, 1)
+    return f"{text[:keep]}...[{len(text) - 2 * keep} characters]...{text[-keep:]}"
 
 
 class OrtpassError(Exception):
@@ -57,6 +73,10 @@ class TrainingGraphError(OrtpassError):
 
 class PlanError(OrtpassError):
     """A recompute plan string, list or JSON file is malformed."""
+
+
+class GoldenCaseError(OrtpassError):
+    """A golden case file cannot be imported, has no ``case()``, or its ``case()`` fails."""
 
 
 class UnregisteredFunctionError(OrtpassError):

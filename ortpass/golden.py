@@ -13,8 +13,9 @@ plan table of the training graph, and the loss and gradient summaries within tol
 loss and gradients disagree with torch eager, so a recorded number has been checked
 against an independent implementation, not copied from the code under test.
 
-The case file is user code: it is imported only because the user pointed ``check`` or
-``update`` at its directory.
+The case file is user code: ``check`` and ``update`` import and run every case file of
+the directory they are given (``ortpass golden`` without ``--dir``: ``./golden_models``
+of the current directory, which it names before running anything).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import onnx_ir as ir
+
+from ortpass.errors import GoldenCaseError, elide
 
 __all__ = ["GoldenCase", "GoldenResult", "check", "compare", "discover", "load_case", "run_case", "update"]
 
@@ -87,15 +90,21 @@ def load_case(path: str | Path) -> GoldenCase:
     path = Path(path)
     spec = importlib.util.spec_from_file_location(f"ortpass_golden_{path.stem}", path)
     if spec is None or spec.loader is None:
-        raise ImportError(f"cannot import golden case file {path}")
+        raise GoldenCaseError(f"cannot import golden case file {path}")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:  # the user's code: name the file and what it raised
+        raise GoldenCaseError(f"golden case file {path} failed to import: {type(exc).__name__}: {elide(str(exc))}") from exc
     factory: Callable[[], GoldenCase] | None = getattr(module, "case", None)
-    if factory is None:
-        raise AttributeError(f"golden case file {path} defines no case() function")
-    case = factory()
+    if not callable(factory):
+        raise GoldenCaseError(f"golden case file {path} defines no case() function")
+    try:
+        case = factory()
+    except Exception as exc:
+        raise GoldenCaseError(f"{path}: case() raised {type(exc).__name__}: {elide(str(exc))}") from exc
     if not isinstance(case, GoldenCase):
-        raise TypeError(f"{path}: case() returned {type(case).__name__}, not GoldenCase")
+        raise GoldenCaseError(f"{path}: case() returned {type(case).__name__}, not GoldenCase")
     return case
 
 
@@ -139,7 +148,10 @@ def check(directory: str | Path, names: Sequence[str] | None = None) -> list[Gol
         expected_path = path.with_name(name + EXPECTED_SUFFIX)
         record, _, training = run_case(load_case(path))
         if expected_path.exists():
-            expected = json.loads(expected_path.read_text(encoding="utf-8"))
+            try:
+                expected = json.loads(expected_path.read_text(encoding="utf-8"))
+            except (ValueError, OSError) as exc:
+                raise GoldenCaseError(f"{expected_path}: the recorded expectations cannot be read ({elide(str(exc))})") from exc
             differences = compare(expected, record)
         else:
             differences = [f"no expectations recorded ({expected_path.name}); run `ortpass golden update {name}`"]
@@ -159,7 +171,7 @@ def update(directory: str | Path, names: Sequence[str] | None = None, *, save_fo
         if case.parity:
             record["step"]["torch_parity"] = _torch_parity(case, training)
         expected_path = path.with_name(name + EXPECTED_SUFFIX)
-        expected_path.write_text(json.dumps(record, indent=2, sort_keys=False) + "\n", encoding="utf-8")
+        ortpass_io.write_file(expected_path, json.dumps(record, indent=2, sort_keys=False) + "\n")
         written.append(expected_path)
         if save_forward:
             onnx_path = path.with_name(name + ".onnx")

@@ -56,7 +56,8 @@ class ProgressInstrument:
     def after_pass(self, pass_: ir.passes.PassBase, model: ir.Model, record: PassRecord) -> None:
         del pass_, model
         if record.failed:
-            outcome = f"FAILED: {record.error}"
+            # The reason travels in the PassFailedError (the command prints it once).
+            outcome = "FAILED, rolled back"
         elif record.modified:
             outcome = f"changed, {record.nodes_before} -> {record.nodes_after} nodes"
         else:

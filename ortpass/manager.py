@@ -58,10 +58,14 @@ from ortpass.errors import (
     PassFailedError,
     PassOrderingError,
     PipelineSpecError,
+    elide,
 )
+from ortpass.io import write_file, write_with
+from ortpass.options import check_options
 from ortpass.passes.base import CREATED_BY_KEY, PassDeclarations
 from ortpass.registry import get_pass
 from ortpass.rollback import RollbackPoint
+from ortpass.validate import check_model
 
 __all__ = [
     "TRAINING_GRAPH",
@@ -302,9 +306,7 @@ class PassReport:
         return cls.from_dict(json.loads(text))
 
     def save(self, path: str | os.PathLike) -> None:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(self.to_json() + "\n", encoding="utf-8")
+        write_file(path, self.to_json() + "\n")
 
     def to_table(self) -> str:
         """A fixed-width text table, one row per pass, and a total line."""
@@ -596,6 +598,7 @@ class PassManager(ir.passes.FunctionalPass):
         # in-place passes can work on the manager's own copy instead of a fresh clone each
         # (on a 6k-node training graph a clone costs about as much as the recompute analysis).
         checked = self._check_input(model)
+        self._refuse_bad_input(model)
         self._notify("run_begin", self.passes, model)
         current = model
         cache = AnalysisCache()
@@ -678,6 +681,14 @@ class PassManager(ir.passes.FunctionalPass):
             "when the passes ran again (a pass is not deterministic); nothing was applied"
         )
         raise PassFailedError(records[-1].name, reason, model=model.clone(), report=report) from exc
+
+    def _refuse_bad_input(self, model: ir.Model) -> None:
+        """Malformed metadata and attributes, and what a pass declares it cannot take
+        (:meth:`PassDeclarations.check_input`), are refused before any pass runs."""
+        check_model(model)
+        for pass_ in self.passes:
+            if isinstance(pass_, PassDeclarations):
+                pass_.check_input(model)
 
     def _check_input(self, model: ir.Model) -> Checked:
         """Check the input; in the incremental mode with the checker's rules on the IR
@@ -845,9 +856,8 @@ class PassManager(ir.passes.FunctionalPass):
 
     def _dump(self, proto: onnx.ModelProto, file_name: str) -> str:
         assert self.dump_dir is not None
-        self.dump_dir.mkdir(parents=True, exist_ok=True)
         path = self.dump_dir / file_name
-        onnx.save(proto, str(path))
+        write_with(path, lambda tmp: onnx.save(proto, str(tmp)))
         logger.debug("wrote %s", path)
         return str(path)
 
@@ -886,7 +896,7 @@ class _PipelineParser:
 
     def error(self, message: str, pos: int | None = None) -> PipelineSpecError:
         where = self.pos if pos is None else pos
-        return PipelineSpecError(f"pipeline {self.text!r}, position {where}: {message}")
+        return PipelineSpecError(f"pipeline {_quote_around(self.text, where)}, position {where}: {message}")
 
     def peek(self) -> str:
         self.skip_space()
@@ -960,13 +970,13 @@ class _PipelineParser:
             value = ast.literal_eval(raw)
         except (ValueError, SyntaxError, MemoryError, RecursionError):
             raise self.error(
-                f"option {key!r} of pass {pass_name!r}: {raw!r} is not a literal (int, float, True/False, "
+                f"option {key!r} of pass {pass_name!r}: {elide(repr(raw))} is not a literal (int, float, True/False, "
                 "None, a quoted string, or a [list] of those; quote strings: name='x')",
                 start,
             ) from None
         if not _is_option_value(value):
             raise self.error(
-                f"option {key!r} of pass {pass_name!r}: {raw!r} is a {type(value).__name__}; options take "
+                f"option {key!r} of pass {pass_name!r}: {elide(repr(raw))} is a {type(value).__name__}; options take "
                 "int, float, bool, None, str, or a list of those",
                 start,
             )
@@ -1006,6 +1016,15 @@ class _PipelineParser:
         raise self.error(f"unterminated string starting with {quote}", quote_pos)
 
 
+def _quote_around(text: str, position: int) -> str:
+    """``text`` quoted for an error at ``position``: whole if short, else the part around
+    the position (a megabyte pipeline must not become a megabyte message)."""
+    if len(text) <= 200:
+        return repr(text)
+    start, end = max(position - 60, 0), min(position + 60, len(text))
+    return f"of {len(text)} characters, near {'...' if start else ''}{text[start:end]!r}{'...' if end < len(text) else ''}"
+
+
 def _is_option_value(value: Any) -> bool:
     if isinstance(value, (list, tuple)):
         return all(isinstance(v, _SCALARS) for v in value)
@@ -1034,6 +1053,7 @@ def _check_options(cls: type, spec: PassSpec) -> None:
                 f"pass {spec.name!r} (position {spec.position}) has no option {key!r}; "
                 f"its options: {', '.join(accepted) or 'none'}"
             )
+    check_options(cls, spec.options, f"pass {spec.name!r} (position {spec.position})")
 
 
 def _construct(spec: PassSpec) -> ir.passes.PassBase:
@@ -1046,8 +1066,8 @@ def _construct(spec: PassSpec) -> ir.passes.PassBase:
         return cls(**spec.options)
     except (TypeError, ValueError, OrtpassError) as exc:  # e.g. a PlanError from recompute(plans=...)
         raise PipelineSpecError(
-            f"pass {spec.name!r} (position {spec.position}) rejected its options {spec.options}: "
-            f"{type(exc).__name__}: {exc}"
+            f"pass {spec.name!r} (position {spec.position}) rejected its options {elide(repr(spec.options))}: "
+            f"{type(exc).__name__}: {elide(str(exc), 400)}"
         ) from exc
 
 

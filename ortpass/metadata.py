@@ -7,6 +7,8 @@ from typing import Any
 
 import onnx_ir as ir
 
+from ortpass.errors import ModelLoadError, elide
+
 __all__ = ["EXPORT_KEY", "get_export_info"]
 
 # Written by ortpass.export.export: {"loss", "params", "dims", "opset", "label_density"}.
@@ -14,6 +16,38 @@ EXPORT_KEY = "pkg.ortpass.export"
 
 
 def get_export_info(model: ir.Model) -> dict[str, Any]:
-    """The record ``ortpass.export.export`` left in model metadata ({} for other models)."""
+    """The record ``ortpass.export.export`` left in model metadata ({} for other models).
+
+    Raises ModelLoadError naming the key when the record is not a JSON object, or a field
+    the passes read has the wrong type: ``loss`` a str, ``params`` a list of str, ``dims``
+    an object of positive ints.
+    """
     raw = model.metadata_props.get(EXPORT_KEY)
-    return json.loads(raw) if raw else {}
+    if not raw:
+        return {}
+    try:
+        info = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise ModelLoadError(f"model metadata {EXPORT_KEY!r} is not valid JSON ({exc})") from None
+    if not isinstance(info, dict):
+        raise ModelLoadError(f"model metadata {EXPORT_KEY!r} must be a JSON object, not {type(info).__name__}")
+    problem = _field_problem(info)
+    if problem is not None:
+        raise ModelLoadError(f"model metadata {EXPORT_KEY!r}: {problem}")
+    return info
+
+
+def _field_problem(info: dict[str, Any]) -> str | None:
+
+    loss, params, dims = info.get("loss"), info.get("params"), info.get("dims")
+    if loss is not None and not isinstance(loss, str):
+        return f"'loss' must be a string, not {elide(repr(loss), 80)}"
+    if params is not None and not (isinstance(params, list) and all(isinstance(p, str) for p in params)):
+        return f"'params' must be a list of names, not {elide(repr(params), 80)}"
+    if dims is not None:
+        if not isinstance(dims, dict):
+            return f"'dims' must map dim names to sizes, not {type(dims).__name__} {elide(repr(dims), 80)}"
+        bad = {k: v for k, v in dims.items() if type(v) is not int or v <= 0}
+        if bad:
+            return f"'dims' sizes must be positive integers; bad: {elide(repr(bad), 80)}"
+    return None

@@ -16,7 +16,7 @@ from typing import Callable, TypeVar
 
 import onnx_ir as ir
 
-from ortpass.errors import PipelineSpecError
+from ortpass.errors import PipelineSpecError, elide
 
 __all__ = ["ENTRY_POINT_GROUP", "available_passes", "get_pass", "register_pass"]
 
@@ -78,7 +78,7 @@ def get_pass(name: str) -> type[ir.passes.PassBase]:
             ) from exc
         return register_pass(name, replace=True)(cls)
     known = ", ".join(sorted(available_passes())) or "none"
-    raise PipelineSpecError(f"unknown pass {name!r}; known passes: {known}")
+    raise PipelineSpecError(f"unknown pass {elide(repr(name))}; known passes: {known}")
 
 
 def available_passes() -> dict[str, str]:

@@ -44,9 +44,12 @@ from ortpass.errors import (
     UnregisteredFunctionError,
     OrtpassError,
 )
+from ortpass.metadata import EXPORT_KEY
 from ortpass.testing.graphs import GraphRecipe, LossRecipe, Step, build_model, make_batch, params_of
 
 FLOAT, INT64 = onnx.TensorProto.FLOAT, onnx.TensorProto.INT64
+#: The longest error message any entry point may give (long values are elided).
+MAX_MESSAGE = 2000
 MS = "com.microsoft"
 
 
@@ -70,7 +73,9 @@ def _snapshot(inp: Input) -> tuple:
     model = ir.to_proto(inp.model).SerializeToString() if inp.model is not None else None
     files = []
     for path in inp.all_files():
-        if path.is_dir():
+        if path.exists() and not path.is_dir() and not path.is_file():  # a FIFO, a device: never read
+            files.append((str(path), "special", path.stat().st_mtime_ns))
+        elif path.is_dir():
             files.append((str(path), sorted(os.listdir(path)), path.stat().st_mtime_ns))
         elif path.exists():
             files.append((str(path), path.read_bytes(), path.stat().st_mtime_ns))
@@ -391,10 +396,126 @@ def cli(*argv: str) -> Callable[[Input], Any]:
     return call
 
 
-def cli_output_is_link_to_input(inp: Input):
-    link = inp.path.parent / "link.onnx"
-    link.symlink_to(inp.path)
-    return cli("optimize", "{in}", "-o", str(link), "--pipeline", "insert-gather-before-sce-loss")(inp)
+def linked_model_input(link_name: str, *, hard: bool = False) -> Callable[[Path], Input]:
+    """model_input, and a symbolic (or hard) link to it named ``link_name``."""
+
+    def make(tmp: Path) -> Input:
+        inp = model_input(_forward)(tmp)
+        link = tmp / link_name
+        os.link(inp.path, link) if hard else link.symlink_to(inp.path)
+        return inp
+
+    return make
+
+
+
+# -- inputs of the file-safety and validation cases ------------------------------------------
+
+
+def named_model_input(name: str, proto_or_model) -> Callable[[Path], Input]:
+    """model_input, saved under ``name`` (a name a dump file would have)."""
+
+    def make(tmp: Path) -> Input:
+        inp = model_input(proto_or_model)(tmp)
+        path = inp.path.rename(tmp / name)
+        return Input(model=inp.model, path=path)
+
+    return make
+
+
+def special_input(kind: str) -> Callable[[Path], Input]:
+    """A FIFO in the case's directory, or a device outside it."""
+
+    def make(tmp: Path) -> Input:
+        if kind == "fifo":
+            path = tmp / "pipe.onnx"
+            os.mkfifo(path)
+            return Input(path=path)
+        return Input(path=Path("/dev/zero"))
+
+    return make
+
+
+def with_export_metadata(text: str, model: Callable[[], ir.Model]) -> Callable[[], ir.Model]:
+    def make() -> ir.Model:
+        m = model()
+        m.metadata_props[EXPORT_KEY] = text
+        return m
+
+    return make
+
+
+def _train_with_export_metadata(text: str) -> Callable[[], ir.Model]:
+    return with_export_metadata(text, _training)
+
+
+def pythonop_func_name(attr: onnx.AttributeProto) -> Callable[[], onnx.ModelProto]:
+    def make() -> onnx.ModelProto:
+        proto = pythonop(**{k: v for k, v in PYTHONOP_ATTRS.items() if k != "func_name"})()
+        node = next(n for n in proto.graph.node if n.op_type == "PythonOp")
+        node.attribute.append(attr)
+        return proto
+
+    return make
+
+
+def local_function() -> onnx.ModelProto:
+    double = oh.make_function("local", "Double", ["a"], ["b"], [oh.make_node("Add", ["a", "a"], ["b"])],
+                              [oh.make_opsetid("", 17)])
+    proto = _graph([_mm(), oh.make_node("Double", ["h"], ["d"], name="dbl", domain="local"), _sum("d")],
+                   opsets=(("", 17), ("local", 1)))
+    proto.functions.append(double)
+    return proto
+
+
+def loop_reading_param() -> onnx.ModelProto:
+    """A Loop whose body multiplies by the parameter 'w' from the outer scope."""
+    body = oh.make_graph(
+        [oh.make_node("MatMul", ["h_in", "w"], ["h_out"], name="body_mm"),
+         oh.make_node("Identity", ["cond_in"], ["cond_out"], name="body_cond")],
+        "body",
+        [oh.make_tensor_value_info("i", INT64, []), oh.make_tensor_value_info("cond_in", onnx.TensorProto.BOOL, []),
+         oh.make_tensor_value_info("h_in", FLOAT, [2, 3])],
+        [oh.make_tensor_value_info("cond_out", onnx.TensorProto.BOOL, []), oh.make_tensor_value_info("h_out", FLOAT, [2, 3])],
+    )
+    nodes = [
+        oh.make_node("Constant", [], ["n"], name="trips", value=onnx.numpy_helper.from_array(np.array(2, np.int64))),
+        oh.make_node("Constant", [], ["c"], name="go", value=onnx.numpy_helper.from_array(np.array(True))),
+        oh.make_node("Loop", ["n", "c", "x"], ["y"], name="loop", body=body),
+        _sum("y"),
+    ]
+    return _graph(nodes)
+
+
+def no_nodes() -> onnx.ModelProto:
+    """The loss is the graph's input: a valid ONNX model with nothing to differentiate."""
+    value = oh.make_tensor_value_info("loss", FLOAT, [])
+    return oh.make_model(oh.make_graph([], "empty", [value], [value]), opset_imports=[oh.make_opsetid("", 17)],
+                         ir_version=8)
+
+
+def input_dim_huge() -> onnx.ModelProto:
+    """x declared [2, 2**62] while w is [3, 3]."""
+    proto = _graph([_mm(), _sum("h")])
+    proto.graph.input[0].type.tensor_type.shape.dim[1].dim_value = 2**62
+    return proto
+
+
+def weight_transposed() -> onnx.ModelProto:
+    """h declared [2, 3] (value_info), but w is [3, 4]: x @ w is [2, 4]."""
+    return _graph([_mm(), _sum("h")], inits=[onnx.numpy_helper.from_array(np.ones((3, 4), np.float32), "w")],
+                  value_info=[oh.make_tensor_value_info("h", FLOAT, [2, 3])])
+
+
+def weight_declared_transposed() -> onnx.ModelProto:
+    """w holds a [3, 4] tensor, but its value_info declares [4, 3] (an exporter's record of
+    the weight before it was transposed)."""
+    return _graph([_mm(), _sum("h")], inits=[onnx.numpy_helper.from_array(np.ones((3, 4), np.float32), "w")],
+                  value_info=[oh.make_tensor_value_info("w", FLOAT, [4, 3])])
+
+
+def cli_golden_in(directory_name: str) -> Callable[[Input], Any]:
+    return lambda inp: cli("golden", "check", "--dir", str(inp.path.parent))(inp)
 
 
 # -- the table ------------------------------------------------------------------------------
@@ -548,7 +669,8 @@ CASES = [
     Case("cli-output-is-input", model_input(_forward), "ortpass optimize",
          cli("optimize", "{in}", "-o", "{in}", "--pipeline", "insert-gather-before-sce-loss"), CliFailed,
          r"exit 2: .*model\.onnx is the input model; refusing to overwrite it without --in-place"),
-    Case("cli-output-links-to-input", model_input(_forward), "ortpass optimize", cli_output_is_link_to_input, CliFailed,
+    Case("cli-output-links-to-input", linked_model_input("link.onnx"), "ortpass optimize",
+         cli("optimize", "{in}", "-o", "{dir}/link.onnx", "--pipeline", "insert-gather-before-sce-loss"), CliFailed,
          r"exit 2: .*link\.onnx is the input model; refusing to overwrite it"),
     Case("cli-report-over-input", model_input(_forward), "ortpass optimize",
          cli("optimize", "{in}", "-o", "{dir}/out.onnx", "--report", "{in}"), CliFailed,
@@ -562,6 +684,141 @@ CASES = [
          r"exit 2: .*has no option 'bogus'"),
     Case("cli-report-on-forward", model_input(_forward), "ortpass report", cli("report", "{in}"), CliFailed,
          r"exit 2: .*model\.onnx is not a training graph"),
+    # Files the command must not write over (issue: data loss).
+    Case("cli-dump-dir-over-input", named_model_input("01_build-training-graph.onnx", _forward), "ortpass optimize",
+         cli("optimize", "{in}", "-o", "{dir}/out.onnx", "--dump-dir", "{dir}", "--pipeline", "build-training-graph"),
+         CliFailed, r"exit 2: .*--dump-dir .*01_build-training-graph\.onnx is the input model; refusing to overwrite it"),
+    Case("cli-dump-dir-over-input-by-dotdot", named_model_input("01_build-training-graph.onnx", _forward),
+         "ortpass optimize",
+         cli("optimize", "{in}", "-o", "{dir}/out.onnx", "--dump-dir", "{dir}/../" + "{dir.name}", "--pipeline",
+             "build-training-graph"),
+         CliFailed, r"exit 2: .*--dump-dir .* is the input model"),
+    Case("cli-output-hard-link-to-input", linked_model_input("hard.onnx", hard=True), "ortpass optimize",
+         cli("optimize", "{in}", "-o", "{dir}/hard.onnx", "--pipeline", "insert-gather-before-sce-loss"), CliFailed, r"exit 2: .*-o .*hard\.onnx is the input model; refusing to overwrite it without --in-place"),
+    Case("cli-report-is-output", model_input(_forward), "ortpass optimize",
+         cli("optimize", "{in}", "-o", "{dir}/out.onnx", "--report", "{dir}/./out.onnx"), CliFailed,
+         r"exit 2: .*--report .*out\.onnx and -o .*out\.onnx are the same file"),
+    Case("cli-json-is-plot", model_input(_training), "ortpass report",
+         cli("report", "{in}", "--json", "{dir}/x", "--plot", "{dir}/x"), CliFailed,
+         r"exit 2: .*--plot .*x and --json .*x are the same file"),
+    Case("cli-report-over-plan-file", with_plan_file('["Gelu+:1:-1"]'), "ortpass optimize",
+         cli("optimize", "{in}", "-o", "{dir}/out.onnx", "--report", "{dir}/plans.json", "--pipeline",
+             "build-training-graph,fix-dropout-seed,recompute(config_file='{dir}/plans.json')"), CliFailed,
+         r"exit 2: .*--report .*plans\.json is the config_file file .*plans\.json; refusing to overwrite it"),
+    Case("cli-output-is-directory", model_input(_forward), "ortpass optimize",
+         cli("optimize", "{in}", "-o", "{dir}", "--pipeline", "insert-gather-before-sce-loss"), CliFailed,
+         r"exit 2: .*-o .* is a directory; give a file name"),
+    Case("cli-report-is-directory", model_input(_forward), "ortpass optimize",
+         cli("optimize", "{in}", "-o", "{dir}/out.onnx", "--report", "{dir}", "--pipeline",
+             "insert-gather-before-sce-loss"), CliFailed, r"exit 2: .*--report .* is a directory"),
+    Case("cli-output-under-a-file", model_input(_forward), "ortpass optimize",
+         cli("optimize", "{in}", "-o", "{in}/out.onnx", "--pipeline", "insert-gather-before-sce-loss"), CliFailed,
+         r"exit 2: .*-o .*model\.onnx/out\.onnx: .*model\.onnx is a file, not a directory"),
+    Case("cli-plot-is-directory", model_input(_training), "ortpass report",
+         cli("report", "{in}", "--plot", "{dir}"), CliFailed, r"exit 2: .*--plot .* is a directory; give a file name"),
+    # Inputs that are not files.
+    Case("fifo-input", special_input("fifo"), "ortpass optimize", cli("optimize", "{in}", "-o", "{dir}/out.onnx"),
+         CliFailed, r"exit 2: .*pipe\.onnx: is a FIFO \(named pipe\), not a regular file"),
+    Case("device-input", special_input("zero"), "ortpass.io.load", load, ModelLoadError,
+         r"/dev/zero: is a character device, not a regular file"),
+    # Report options and metadata (issue: raw tracebacks).
+    Case("cli-probe-level-99", model_input(_training), "ortpass report", cli("report", "{in}", "--probe-level", "99"),
+         CliFailed, r"exit 2: .*argument --probe-level: invalid choice: 99"),
+    Case("cli-probe-level-negative", model_input(_training), "ortpass report",
+         cli("report", "{in}", "--probe-level", "-1"), CliFailed, r"exit 2: .*argument --probe-level: invalid choice: -1"),
+    Case("cli-min-elements-negative", model_input(_training), "ortpass report",
+         cli("report", "{in}", "--min-elements", "-5"), CliFailed, r"exit 2: .*--min-elements: must be >= 0, not -5"),
+    Case("cli-dim-not-a-number", model_input(_training), "ortpass report",
+         cli("report", "{in}", "--dim", "batch=abc"), CliFailed,
+         r"exit 2: .*--dim: the size of dim 'batch' is not an integer: 'abc'"),
+    Case("cli-plot-unknown-format", model_input(_training), "ortpass report",
+         cli("report", "{in}", "--plot", "{dir}/p.xyz"), CliFailed, r"exit 2: .*unknown image format '\.xyz'; use one of .*png"),
+    Case("cli-report-metadata-not-json", model_input(_train_with_export_metadata("{not json")), "ortpass report",
+         cli("report", "{in}"), CliFailed, r"exit 2: .*metadata 'pkg\.ortpass\.export' is not valid JSON"),
+    Case("cli-report-dims-a-list", model_input(_train_with_export_metadata('{"dims": [4, 6]}')), "ortpass report",
+         cli("report", "{in}"), CliFailed, r"exit 2: .*'dims' must map dim names to sizes, not list \[4, 6\]"),
+    Case("cli-report-dims-not-numbers", model_input(_train_with_export_metadata('{"dims": {"batch": "abc"}}')),
+         "ortpass report", cli("report", "{in}"), CliFailed,
+         r"exit 2: .*'dims' sizes must be positive integers; bad: \{'batch': 'abc'\}"),
+    Case("cli-golden-file-without-case", file_input("nocase.py", b"x = 1\n"), "ortpass golden check",
+         cli_golden_in("."), CliFailed, r"exit 2: .*nocase\.py defines no case\(\) function"),
+    Case("cli-golden-file-that-raises", file_input("boom.py", b"raise RuntimeError('boom')\n"), "ortpass golden check",
+         cli_golden_in("."), CliFailed, r"exit 2: .*boom\.py failed to import: RuntimeError: boom"),
+    # Pass options checked against their declared types when the pipeline is built.
+    Case("option-bool-given-a-str", model_input(_forward), "pipeline(...)",
+         make_pipeline("insert-gather-before-sce-loss(force='no')"), PipelineSpecError,
+         r"pass 'insert-gather-before-sce-loss' \(position 0\): option 'force' must be bool, not 'no' \(str\)"),
+    Case("option-fusions-given-a-str", model_input(_forward), "pipeline(...)",
+         make_pipeline("build-training-graph(ort_fusions='no')"), PipelineSpecError,
+         r"option 'ort_fusions' must be bool, not 'no' \(str\)"),
+    Case("option-level-given-a-bool", model_input(_forward), "pipeline(...)",
+         make_pipeline("build-training-graph,fix-dropout-seed(level=1),recompute(level=True)"), PipelineSpecError,
+         r"pass 'recompute' \(position \d+\): option 'level' must be one of 0, 1, 2, not True \(bool\)"),
+    Case("option-params-given-a-str", model_input(_forward), "pipeline(...)",
+         make_pipeline("build-training-graph(params='fc1.weight')"), PipelineSpecError,
+         r"option 'params' must be a list of str or None, not 'fc1\.weight' \(str\); for one name write params=\['fc1\.weight'\]"),
+    Case("option-probe-level-out-of-range", model_input(_forward), "ortpass optimize",
+         cli("optimize", "{in}", "-o", "{dir}/out.onnx", "--pipeline",
+             "build-training-graph,fix-dropout-seed(level=1),recompute(level=1,probe_level=99)"), CliFailed,
+         r"exit 2: .*option 'probe_level' must be one of 0, 1, not 99 \(int\)"),
+    Case("option-min-elements-given-a-str", model_input(_forward), "ortpass optimize",
+         cli("optimize", "{in}", "-o", "{dir}/out.onnx", "--pipeline",
+             "build-training-graph,fix-dropout-seed(level=1),recompute(level=1,min_elements='x')"), CliFailed,
+         r"exit 2: .*option 'min_elements' must be int or None, not 'x' \(str\)"),
+    Case("option-min-elements-negative", model_input(_forward), "pipeline(...)",
+         make_pipeline("build-training-graph,fix-dropout-seed(level=1,min_elements=-1),recompute(level=1)"),
+         PipelineSpecError, r"pass 'fix-dropout-seed' \(position \d+\): option 'min_elements' must be at least 0, not -1"),
+    Case("option-seed-given-a-float", model_input(_forward), "pipeline(...)", make_pipeline("replay-dropout-mask(base_seed=1.5)"),
+         PipelineSpecError, r"option 'base_seed' must be int, not 1\.5 \(float\)"),
+    Case("option-recompute-probe-level-in-python", model_input(_training), "RecomputePass(...)",
+         recompute(level=1, probe_level=99), ValueError, r"probe_level must be 0 \(basic\) or 1 \(advanced\), not 99"),
+    # Bad models refused before any pass runs, naming the node, value or key.
+    Case("metadata-a-list", model_input(with_export_metadata("[1, 2]", _forward)), "pipeline(...)",
+         run_pipeline("build-training-graph"), ModelLoadError, r"metadata 'pkg\.ortpass\.export' must be a JSON object, not list"),
+    Case("metadata-params-a-str", model_input(with_export_metadata('{"params": "w"}', _forward)), "pipeline(...)",
+         run_pipeline("insert-gather-before-sce-loss"), ModelLoadError, r"'params' must be a list of names, not 'w'"),
+    Case("pythonop-func-name-int", model_input(pythonop_func_name(oh.make_attribute("func_name", 5))),
+         "pipeline(...)", run_pipeline("pythonop-shape-inference"), ModelLoadError,
+         r"PythonOp node 'py' \(PythonOp\): attribute 'func_name' must be STRING, not INT"),
+    Case("pythonop-func-name-not-utf8",
+         model_input(pythonop_func_name(onnx.AttributeProto(name="func_name", type=onnx.AttributeProto.STRING, s=b"\xff\xfe"))),
+         "ortpass optimize", cli("optimize", "{in}", "-o", "{dir}/out.onnx"), CliFailed,
+         r"exit 2: .*model\.onnx: malformed ONNX model \(attribute 'func_name' of node 'py' is not UTF-8 text"),
+    Case("pythonop-func-name-not-utf8-in-memory",
+         model_input(pythonop_func_name(onnx.AttributeProto(name="func_name", type=onnx.AttributeProto.STRING, s=b"\xff\xfe"))),
+         "pipeline(...)", run_pipeline("pythonop-shape-inference"), ModelLoadError,
+         r"node 'py' \(PythonOp\): attribute 'func_name' is not UTF-8 text"),
+    Case("node-name-not-utf8", file_input("latin1.onnx", _good_bytes().replace(b"Gelu", b"G\xe9lu", 1)),
+         "ortpass.io.load", load, ModelLoadError, r"latin1\.onnx: malformed ONNX model \(.* is not UTF-8 text"),
+    Case("loss-recorded-at-export-missing", model_input(with_export_metadata('{"loss": "nope"}', _forward)),
+         "ortpass optimize", cli("optimize", "{in}", "-o", "{dir}/out.onnx"), CliFailed,
+         r"exit 2: .*TrainingGraphError: loss 'nope' is not a graph output"),
+    Case("param-recorded-at-export-missing", model_input(with_export_metadata('{"params": ["w9"]}', _forward)),
+         "ortpass optimize", cli("optimize", "{in}", "-o", "{dir}/out.onnx"), CliFailed,
+         r"exit 2: .*parameter 'w9' is neither an initializer nor a graph input"),
+    Case("local-function", model_input(local_function), "ortpass optimize", cli("optimize", "{in}", "-o", "{dir}/out.onnx"),
+         CliFailed, r"exit 2: .*defines 1 local function\(s\) \(local::Double\), which ORT's gradient builder cannot"),
+    Case("local-function-build", model_input(local_function), "build_training_graph", build(params=["w"]),
+         ModelLoadError, r"local function\(s\) \(local::Double\)"),
+    Case("loop-reads-param", model_input(loop_reading_param), "ortpass optimize",
+         cli("optimize", "{in}", "-o", "{dir}/out.onnx", "--pipeline", "build-training-graph(params=['w'])"), CliFailed,
+         r"exit 2: .*node 'loop' \(Loop\): its subgraph 'body' reads the parameter\(s\) \['w'\] from the outer scope"),
+    Case("no-nodes", model_input(no_nodes), "pipeline(...)", run_pipeline("build-training-graph"), ModelLoadError,
+         r"the graph has no nodes"),
+    Case("input-dim-huge", model_input(input_dim_huge), "ortpass optimize", cli("optimize", "{in}", "-o", "{dir}/out.onnx"),
+         CliFailed, r"exit 2: .*declared shapes are inconsistent: node 'mm' \(MatMul\): Incompatible dimensions"),
+    Case("weight-transposed", model_input(weight_transposed), "pipeline(...)", run_pipeline("build-training-graph"),
+         ModelLoadError, r"declared shapes are inconsistent: node 'mm' \(MatMul\): Inferred shape and existing shape differ in dimension 1: \(4\) vs \(3\)"),
+    Case("weight-declared-transposed", model_input(weight_declared_transposed), "ortpass optimize",
+         cli("optimize", "{in}", "-o", "{dir}/out.onnx"), CliFailed,
+         r"exit 2: .*initializer 'w' holds a tensor of shape \[3, 4\], but its shape is declared \[4, 3\]"),
+    # Messages stay bounded.
+    Case("plan-a-megabyte-long", model_input(_forward), "pipeline(...)",
+         make_pipeline("recompute(plans='" + "G" * 1_000_000 + "')"), PipelineSpecError,
+         r"pass 'recompute' .*PlanError: .*characters\]"),
+    Case("pipeline-a-megabyte-long", model_input(_forward), "pipeline(...)",
+         make_pipeline("recompute(level=1)" + "x" * 1_000_000), PipelineSpecError,
+         r"pipeline of 1000018 characters, near .*position 18: expected ',' between passes"),
 ]
 
 # Inputs generated from bytes that only exist at test time.
@@ -569,6 +826,11 @@ _LATE_CONTENT = {
     "truncated-protobuf": lambda: _good_bytes()[: len(_good_bytes()) // 2],
     "duplicate-value-file": lambda: duplicate_value_proto().SerializeToString(),
 }
+
+
+def _listing(directory: Path) -> set[str]:
+    """Every file under ``directory``, hidden ones included: a failed call leaves no stray file."""
+    return {str(p.relative_to(directory)) for p in directory.rglob("*")}
 
 
 def _make(case: Case, tmp: Path) -> Input:
@@ -580,7 +842,7 @@ def _make(case: Case, tmp: Path) -> Input:
 
 
 def test_the_corpus_is_large_enough():
-    assert len(CASES) >= 30
+    assert len(CASES) >= 110
     assert len({c.id for c in CASES}) == len(CASES), "case ids must be unique"
 
 
@@ -591,13 +853,20 @@ def _params(rows):
 @pytest.mark.parametrize("case", _params(CASES))
 def test_bad_input_is_refused_by_name_and_left_alone(case: Case, tmp_path: Path):
     inp = _make(case, tmp_path)
-    before = _snapshot(inp)
+    before, listed = _snapshot(inp), _listing(tmp_path)
     with pytest.raises(case.error) as info:
         case.call(inp)
     assert re.search(case.match, str(info.value), re.DOTALL), (
         f"{case.entry} raised {type(info.value).__name__} whose message does not match {case.match!r}:\n{info.value}"
     )
     assert _snapshot(inp) == before, f"{case.entry} changed its input model or file"
+    assert _listing(tmp_path) == listed, f"{case.entry} left files behind: {_listing(tmp_path) ^ listed}"
+    message = str(info.value)
+    assert len(message) <= MAX_MESSAGE, f"{case.entry}: a {len(message)}-character message"
+    if isinstance(info.value, CliFailed):  # one line says what is wrong (golden also names the folder it runs)
+        lines = [line for line in message.split(": ", 1)[1].splitlines() if line.strip()]
+        verdicts = [line for line in lines if re.match(r"ortpass( \w+)?: (\w+Error: |error: )", line)]
+        assert len(verdicts) == 1 and len(lines) <= 2 and "Traceback" not in message, f"{case.entry} printed:\n{message}"
 
 
 # -- inputs a pass must leave alone, saying why ---------------------------------------------

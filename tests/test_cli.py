@@ -141,7 +141,10 @@ def test_a_failing_pass_exits_1_naming_it_and_writes_no_model(model_file, tmp_pa
         "--report", str(report),
     ])
     assert code == 1
-    assert "pass 'cli-failing' failed: RuntimeError: this pass always fails" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "pass 'cli-failing' failed: RuntimeError: this pass always fails" in err
+    assert err.count("this pass always fails") == 1  # the reason once, not in the progress line too
+    assert "[2/2] cli-failing: FAILED, rolled back" in err
     assert not out.exists()
     records = json.loads(report.read_text())["passes"]
     assert [(r["name"], r["error"] is not None) for r in records] == [("cli-insert-identity", False), ("cli-failing", True)]
@@ -158,7 +161,13 @@ def test_input_that_is_not_a_model_is_bad_input(tmp_path, capsys):
 def test_bad_arguments_are_bad_usage(capsys):
     assert main(["optimize"]) == 2
     assert main(["no-such-command"]) == 2
-    assert "usage:" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    # One line each, naming the problem and where the usage is.
+    assert err.splitlines() == [
+        "ortpass optimize: error: the following arguments are required: IN.onnx (see ortpass optimize --help)",
+        "ortpass: error: argument COMMAND: invalid choice: 'no-such-command' (choose from 'optimize', 'list-passes', "
+        "'report', 'golden') (see ortpass --help)",
+    ]
 
 
 def test_quiet_hides_progress(model_file, tmp_path, capsys):

@@ -104,6 +104,13 @@ class PassDeclarations:
         self.reset_stats()
         return super().__call__(model)
 
+    def check_input(self, model: ir.Model) -> None:
+        """Refuse, before any pass of the run starts, a pipeline input this pass could not
+        take (raise an :class:`~ortpass.errors.OrtpassError`, such as ModelLoadError, naming
+        the problem): bad input is then reported as such, not as this pass failing.  The
+        default accepts any."""
+        del model
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 

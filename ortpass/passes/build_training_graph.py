@@ -16,7 +16,9 @@ import onnx_ir as ir
 from ortpass.analysis.partition import get_partition, is_training_graph
 from ortpass.passes.base import OrtFunctionalPass
 from ortpass.registry import register_pass
-from ortpass.training.build import build_training_graph
+from ortpass.metadata import get_export_info
+from ortpass.training.build import _resolve_loss, _resolve_params, build_training_graph, check_forward_model
+from ortpass.validate import check_for_gradient_build
 
 __all__ = ["BuildTrainingGraphPass"]
 
@@ -29,11 +31,24 @@ class BuildTrainingGraphPass(OrtFunctionalPass):
 
     provides_properties = {"training-graph"}
 
-    def __init__(self, params: Sequence[str] | None = None, loss: str | None = None, ort_fusions: bool = True):
+    def __init__(self, params: Sequence[str] | None = None, loss: str | None = None, ort_fusions: bool = True) -> None:
         super().__init__()
         self.params = list(params) if params is not None else None
         self.loss = loss
         self.ort_fusions = ort_fusions
+
+    def check_input(self, model: ir.Model) -> None:
+        """What the build would refuse only after the pre-grad passes ran: the model
+        (:func:`ortpass.validate.check_for_gradient_build`), its loss and parameters (given,
+        or recorded at export), and its graph structure."""
+        if is_training_graph(model):
+            return  # requires() refuses it, naming why
+        proto = ir.to_proto(model)
+        check_for_gradient_build(model, self.params, proto=proto)
+        export_info = get_export_info(model)
+        loss = _resolve_loss(proto, self.loss or export_info.get("loss"))
+        _resolve_params(proto, self.params if self.params is not None else export_info.get("params"))
+        check_forward_model(proto, loss)
 
     def requires(self, model: ir.Model) -> None:
         if is_training_graph(model):

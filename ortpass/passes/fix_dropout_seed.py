@@ -19,6 +19,7 @@ import onnx_ir as ir
 
 from ortpass.analysis.plans import PlanSpec
 from ortpass.analysis.recomputable_ops import ProbeLevel
+from ortpass.options import NonNegativeInt, ProbeLevelOption, RecomputeLevel
 from ortpass.passes.base import OrtPass
 from ortpass.passes.recompute import ANALYSIS, RecomputeSelection, is_dropout
 from ortpass.registry import register_pass
@@ -66,10 +67,10 @@ class FixDropoutSeedPass(OrtPass):
         self,
         plans: str | PlanSpec | Sequence[str | PlanSpec] | None = None,
         *,
-        level: int = 0,
+        level: RecomputeLevel = 0,
         config_file: str | os.PathLike | None = None,
-        probe_level: int = ProbeLevel.ADVANCED,
-        min_elements: int | None = None,
+        probe_level: ProbeLevelOption = ProbeLevel.ADVANCED,
+        min_elements: NonNegativeInt | None = None,
         base_seed: int = 0,
     ) -> None:
         super().__init__()

@@ -95,6 +95,7 @@ from ortpass.analysis.recompute import (
     find_recompute_candidates,
 )
 from ortpass.errors import PlanError
+from ortpass.options import NonNegativeInt, ProbeLevelOption, RecomputeLevel
 from ortpass.passes import recompute_pythonop
 from ortpass.passes.base import CREATED_BY_KEY, OrtPass
 from ortpass.registry import register_pass
@@ -166,13 +167,18 @@ class RecomputeSelection:
         self,
         plans: str | PlanSpec | Sequence[str | PlanSpec] | None = None,
         *,
-        level: int = 0,
+        level: RecomputeLevel = 0,
         config_file: str | os.PathLike | None = None,
-        probe_level: int = ProbeLevel.ADVANCED,
-        min_elements: int | None = None,
+        probe_level: ProbeLevelOption = ProbeLevel.ADVANCED,
+        min_elements: NonNegativeInt | None = None,
     ) -> None:
         if level not in LEVELS:
             raise ValueError(f"recompute level must be one of {LEVELS}, not {level!r}")
+        # Checked here, not only by the analysis: it runs after the gradient build.
+        if probe_level not in (ProbeLevel.BASIC, ProbeLevel.ADVANCED) or isinstance(probe_level, bool):
+            raise ValueError(f"probe_level must be 0 (basic) or 1 (advanced), not {probe_level!r}")
+        if min_elements is not None and (type(min_elements) is not int or min_elements < 0):
+            raise ValueError(f"min_elements must be an int >= 0 or None, not {min_elements!r}")
         given = parse_plans(plans)
         if config_file is not None:
             given += load_plan_file(config_file)
@@ -250,10 +256,10 @@ class RecomputePass(OrtPass):
         self,
         plans: str | PlanSpec | Sequence[str | PlanSpec] | None = None,
         *,
-        level: int = 0,
+        level: RecomputeLevel = 0,
         config_file: str | os.PathLike | None = None,
-        probe_level: int = ProbeLevel.ADVANCED,
-        min_elements: int | None = None,
+        probe_level: ProbeLevelOption = ProbeLevel.ADVANCED,
+        min_elements: NonNegativeInt | None = None,
     ) -> None:
         super().__init__()
         self.selection = RecomputeSelection(

@@ -55,7 +55,8 @@ from typing import Any, Iterable
 import onnx_ir as ir
 import torch
 
-from ortpass.errors import ModelLoadError, UnregisteredFunctionError
+from ortpass.errors import UnregisteredFunctionError
+from ortpass.validate import REQUIRED_PYTHONOP_ATTRIBUTES, refuse_pythonop_missing_attributes
 
 __all__ = [
     "REQUIRED_PYTHONOP_ATTRIBUTES",
@@ -176,23 +177,13 @@ def prepare(model: ir.Model) -> None:
     logger.debug("bridge ready for %s", sorted(names))
 
 
-#: Attributes ORT's PythonOp kernel cannot run without (docs/design/ort-facts.md):
-#: the Function to call, how its arguments map to inputs, and its outputs' types and ranks.
-REQUIRED_PYTHONOP_ATTRIBUTES = ("func_name", "input_convention", "output_tensor_types", "output_tensor_ranks")
 
 
 def _check_required_attributes(model: ir.Model) -> None:
     """Refuse a PythonOp that lacks an attribute ORT needs, naming the node and attribute
     (otherwise it would surface as a call to an unregistered Function named '')."""
     for node in _all_nodes(model):
-        if node.domain != _MS_DOMAIN or node.op_type != "PythonOp":
-            continue
-        missing = [name for name in REQUIRED_PYTHONOP_ATTRIBUTES if name not in node.attributes]
-        if missing:
-            raise ModelLoadError(
-                f"PythonOp node {node.name or '<unnamed>'!r} lacks the required attribute(s) {missing}; "
-                "export it with ortpass.export.export, which writes every attribute ORT's kernel reads"
-            )
+        refuse_pythonop_missing_attributes(node)
 
 
 def _ort_pool_entry(function: Any) -> type:
