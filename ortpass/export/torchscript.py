@@ -103,6 +103,7 @@ def _run_torchscript_export(module, args, input_names, loss_name, opset, dynamic
     # Imported here: both hook into torch while the exporter runs and are undone after.
     from ortpass.export.density import density_probe
     from ortpass.export.pythonop import pythonop_export_context
+    from ortpass.export.symbolics import symbolics_context
 
     was_training = module.training
     module.train()
@@ -111,6 +112,7 @@ def _run_torchscript_export(module, args, input_names, loss_name, opset, dynamic
     try:
         with contextlib.ExitStack() as hooks, warnings.catch_warnings():
             hooks.enter_context(pythonop_export_context())
+            hooks.enter_context(symbolics_context(opset))
             if density_threshold is not None:
                 probe = hooks.enter_context(density_probe(module, threshold=density_threshold))
             # The TorchScript exporter is deprecated in favour of dynamo; it is the path that

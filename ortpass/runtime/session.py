@@ -47,6 +47,7 @@ __all__ = [
     "TrainingSession",
     "disabled_optimizers",
     "dropout_mask_names",
+    "forward_dropouts",
     "with_dropout_masks",
 ]
 
@@ -190,7 +191,7 @@ def dropout_mask_names(model: ir.Model) -> list[str]:
     models, :func:`with_dropout_masks` gives a copy that has them back.
     """
     names = []
-    for node in _forward_dropouts(model):
+    for node in forward_dropouts(model):
         if len(node.outputs) < 2 or not node.outputs[1].name:
             raise OrtpassError(
                 f"Dropout {node.name!r} has no mask output (a pass dropped it); use with_dropout_masks(model)"
@@ -208,7 +209,7 @@ def with_dropout_masks(model: ir.Model) -> tuple[ir.Model, list[str]]:
     """
     copy = model.clone()
     taken = {v.name for n in copy.graph for v in n.outputs} | {v.name for v in copy.graph.inputs}
-    for node in _forward_dropouts(copy):
+    for node in forward_dropouts(copy):
         if len(node.outputs) >= 2 and node.outputs[1].name:
             continue
         node.resize_outputs(2)
@@ -219,7 +220,8 @@ def with_dropout_masks(model: ir.Model) -> tuple[ir.Model, list[str]]:
     return copy, dropout_mask_names(copy)
 
 
-def _forward_dropouts(model: ir.Model) -> list[ir.Node]:
+def forward_dropouts(model: ir.Model) -> list[ir.Node]:
+    """The forward Dropout nodes, in graph (= call) order."""
     return [
         node
         for node in model.graph
