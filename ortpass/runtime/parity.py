@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -98,11 +99,17 @@ def replay_dropout_masks(masks: Sequence[np.ndarray]) -> Iterator[None]:
     def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         if dropout_p == 0:
             return original_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+        if enable_gqa:  # the math kernel's own GQA mishandles a dropout mask (torch 2.15)
+            repeats = query.shape[-3] // key.shape[-3]
+            key, value = key.repeat_interleave(repeats, -3), value.repeat_interleave(repeats, -3)
         probabilities_shape = (*torch.broadcast_shapes(query.shape[:-2], key.shape[:-2]), query.shape[-2], key.shape[-2])
         mask = next_mask(probabilities_shape, query.device)
-        output, _ = torch.ops.aten._scaled_dot_product_attention_math(
-            query, key, value, attn_mask, dropout_p, is_causal, mask, scale=scale, enable_gqa=enable_gqa
-        )
+        with warnings.catch_warnings():
+            # "Dropout mask should only be used for testing purposes": this is the test.
+            warnings.simplefilter("ignore", UserWarning)
+            output, _ = torch.ops.aten._scaled_dot_product_attention_math(
+                query, key, value, attn_mask, dropout_p, is_causal, mask, scale=scale
+            )
         return output
 
     functional.dropout, functional.scaled_dot_product_attention = dropout, scaled_dot_product_attention

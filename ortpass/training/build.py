@@ -21,6 +21,7 @@ import re
 from typing import Iterable, Sequence
 
 import onnx
+import onnx.numpy_helper
 import onnx_ir as ir
 
 from ortpass.analysis.partition import SIDE_KEY, TrainingInfo, set_training_info, tag
@@ -78,6 +79,7 @@ def build_training_graph(
         # call back into the registered Functions, and a bad PythonOp gets named here.
         bridge.prepare(model)
     clamp_for_ort(proto)
+    _remove_inference_dropouts(proto)
     # Shapes first: ORT keeps the shapes it is given through its fusions, but its symbolic
     # inference has no rule for the ConcatTraining those fusions emit.
     proto = _infer_forward_shapes(proto)
@@ -285,6 +287,51 @@ def _add_outputs_the_gradient_builder_needs(proto: onnx.ModelProto) -> None:
         for position in range(count):
             if not node.output[position]:
                 node.output[position] = f"{stem}_ortpass_out{position}"
+
+
+def _remove_inference_dropouts(proto: onnx.ModelProto) -> int:
+    """Replace every Dropout whose ``training_mode`` is omitted or a constant false by what
+    it computes, the identity (and an all-true mask); returns how many.
+
+    ORT's ``DropoutGrad`` ignores ``training_mode``: it always multiplies by the mask and
+    scales by ``1 / (1 - ratio)`` (measured on 1.19.2; docs/design/ort-facts.md), so the
+    gradient of an inference-mode Dropout, the identity in forward, came out scaled in
+    backward, and differently again once a pass replaced that DropoutGrad.  torch's
+    export of SDPA with dropout wrote such Dropouts (issue #21).
+    """
+    constants = {t.name: t for t in proto.graph.initializer}
+    constants.update(
+        (node.output[0], node.attribute[0].t)
+        for node in proto.graph.node
+        if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value"
+    )
+    nodes, removed = [], 0
+    for node in proto.graph.node:
+        if node.op_type != "Dropout" or node.domain not in ("", "ai.onnx") or not _is_inference_mode(node, constants):
+            nodes.append(node)
+            continue
+        stem = node.name or node.output[0]
+        nodes.append(onnx.helper.make_node("Identity", [node.input[0]], [node.output[0]], name=f"{stem}_inference_identity"))
+        if len(node.output) > 1 and node.output[1]:
+            shape = f"{stem}_inference_shape"
+            nodes.append(onnx.helper.make_node("Shape", [node.input[0]], [shape], name=shape))
+            nodes.append(onnx.helper.make_node(
+                "ConstantOfShape", [shape], [node.output[1]], name=f"{stem}_inference_mask",
+                value=onnx.helper.make_tensor("true", onnx.TensorProto.BOOL, [1], [True]),
+            ))
+        removed += 1
+    if removed:
+        del proto.graph.node[:]
+        proto.graph.node.extend(nodes)
+        logger.info("replaced %d inference-mode Dropout(s) by Identity", removed)
+    return removed
+
+
+def _is_inference_mode(dropout: onnx.NodeProto, constants: dict[str, onnx.TensorProto]) -> bool:
+    if len(dropout.input) < 3 or not dropout.input[2]:
+        return True
+    mode = constants.get(dropout.input[2])
+    return mode is not None and not bool(onnx.numpy_helper.to_array(mode).item())
 
 
 def _ensure_unique_node_names(proto: onnx.ModelProto) -> set[str]:
