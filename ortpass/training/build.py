@@ -435,7 +435,25 @@ def _infer_forward_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
         return proto
     if not complete:
         logger.debug("symbolic shape inference left some values unknown; keeping what it inferred")
-    return inference.out_mp_
+    return _keep_given_shapes(proto, inference.out_mp_)
+
+
+def _keep_given_shapes(given: onnx.ModelProto, inferred: onnx.ModelProto) -> onnx.ModelProto:
+    """Put back the shapes the model came with where the symbolic inference lost them.
+
+    It has no rule for some contrib ops on some types: the labels' ``ShrunkenGather`` from
+    ``insert-gather-before-sce-loss`` came out shapeless, so the recompute analysis could
+    not size that stashed tensor, though the pass had given it ``[valid_label_count_N]``.
+    """
+    known = {
+        info.name
+        for info in (*inferred.graph.value_info, *inferred.graph.input, *inferred.graph.output)
+        if info.type.HasField("tensor_type") and info.type.tensor_type.HasField("shape")
+    }
+    inferred.graph.value_info.extend(
+        info for info in given.graph.value_info if info.name not in known and info.type.tensor_type.HasField("shape")
+    )
+    return inferred
 
 
 def _infer_static_shapes(proto: onnx.ModelProto) -> onnx.ModelProto | None:
