@@ -93,6 +93,7 @@ def build_training_graph(
     if ort_fusions:
         proto = _run_pre_gradient_transformers(proto, params)
     _add_outputs_the_gradient_builder_needs(proto)
+    _shape_concat_lengths(proto)
     forward_names = _ensure_unique_node_names(proto)
     _make_params_inputs(proto, params, loss)
     training_proto = _run_gradient_builder(proto, loss, params)
@@ -341,6 +342,19 @@ def _is_inference_mode(dropout: onnx.NodeProto, constants: dict[str, onnx.Tensor
         return True
     mode = constants.get(dropout.input[2])
     return mode is not None and not bool(onnx.numpy_helper.to_array(mode).item())
+
+
+def _shape_concat_lengths(proto: onnx.ModelProto) -> None:
+    """Give ``ConcatTraining``'s second output (each input's length along the axis, which
+    its gradient reads) its shape, ``int64[number of inputs]``: ORT's fusions emit the node
+    (a rotary embedding's ``cat(-x2, x1)``) after shape inference ran, and no inference
+    knows it, so the recompute analysis could not size that stashed tensor."""
+    typed = {info.name for info in proto.graph.value_info}
+    for node in proto.graph.node:
+        if node.op_type == "ConcatTraining" and len(node.output) > 1 and node.output[1] and node.output[1] not in typed:
+            proto.graph.value_info.append(
+                onnx.helper.make_tensor_value_info(node.output[1], onnx.TensorProto.INT64, [len(node.input)])
+            )
 
 
 def _ensure_unique_node_names(proto: onnx.ModelProto) -> set[str]:
