@@ -20,7 +20,7 @@ FLOAT = onnx.TensorProto.FLOAT
 OUT = (2, 4, 8, 8)
 
 
-def _where_model(batch, bias_shape, position: int) -> ir.Model:
+def _where_model(batch, bias_shape, position: int, opset: int = 17) -> ir.Model:
     """loss = sum(Where(cond, bias, x) * x) (bias at ``position`` 1 or 2 of the Where)."""
     bias = np.random.default_rng(0).standard_normal(bias_shape).astype(np.float32)
     where_inputs = ["cond", "bias", "x"] if position == 1 else ["cond", "x", "bias"]
@@ -37,7 +37,7 @@ def _where_model(batch, bias_shape, position: int) -> ir.Model:
         [oh.make_tensor_value_info("loss", FLOAT, [])],
         [onnx.numpy_helper.from_array(bias, "bias")],
     )
-    return ir.from_proto(oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)], ir_version=9))
+    return ir.from_proto(oh.make_model(graph, opset_imports=[oh.make_opsetid("", opset)], ir_version=9))
 
 
 def _batch():
@@ -65,6 +65,16 @@ def test_broadcast_where_input_gets_its_own_gradient(batch_dim, position, bias_s
     expected = _torch_gradient(model, batch, position)
     assert gradient.shape == bias_shape
     np.testing.assert_allclose(gradient, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_before_opset_13_the_reduction_takes_its_axes_as_attributes():
+    model = _where_model("batch", (8, 8), 1, opset=12)
+    training = build_training_graph(model, params=["bias"], loss="loss")
+    reduce_sum = next(n for n in training.graph if n.op_type == "ReduceSum" and "ortpass_broadcast" in n.name)
+    assert list(reduce_sum.attributes["axes"].as_ints()) == [0, 1] and len(reduce_sum.inputs) == 1
+    batch = _batch()
+    gradient = TrainingSession(training).run(batch).gradients["bias"]
+    np.testing.assert_allclose(gradient, _torch_gradient(model, batch, 1), rtol=1e-5, atol=1e-6)
 
 
 def test_where_without_broadcast_is_left_alone():

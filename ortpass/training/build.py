@@ -93,13 +93,13 @@ def build_training_graph(
     if ort_fusions:
         proto = _run_pre_gradient_transformers(proto, params)
     _add_outputs_the_gradient_builder_needs(proto)
-    _shape_concat_lengths(proto)
     forward_names = _ensure_unique_node_names(proto)
     _make_params_inputs(proto, params, loss)
     training_proto = _run_gradient_builder(proto, loss, params)
     _reduce_broadcast_where_gradients(training_proto, forward_names)
     clamp_for_ort(training_proto)
     training_proto = _infer_shapes(training_proto)
+    _shape_concat_training_lengths(training_proto)
     gradients = _check_gradient_outputs(training_proto, params)
     _check_gradient_shapes(training_proto, gradients)
     _order_outputs(training_proto, [loss, *gradients.values()])
@@ -344,19 +344,6 @@ def _is_inference_mode(dropout: onnx.NodeProto, constants: dict[str, onnx.Tensor
     return mode is not None and not bool(onnx.numpy_helper.to_array(mode).item())
 
 
-def _shape_concat_lengths(proto: onnx.ModelProto) -> None:
-    """Give ``ConcatTraining``'s second output (each input's length along the axis, which
-    its gradient reads) its shape, ``int64[number of inputs]``: ORT's fusions emit the node
-    (a rotary embedding's ``cat(-x2, x1)``) after shape inference ran, and no inference
-    knows it, so the recompute analysis could not size that stashed tensor."""
-    typed = {info.name for info in proto.graph.value_info}
-    for node in proto.graph.node:
-        if node.op_type == "ConcatTraining" and len(node.output) > 1 and node.output[1] and node.output[1] not in typed:
-            proto.graph.value_info.append(
-                onnx.helper.make_tensor_value_info(node.output[1], onnx.TensorProto.INT64, [len(node.input)])
-            )
-
-
 def _ensure_unique_node_names(proto: onnx.ModelProto) -> set[str]:
     seen: set[str] = set()
     for index, node in enumerate(proto.graph.node):
@@ -512,6 +499,22 @@ def _infer_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
     except Exception as exc:
         logger.warning("shape inference on the training graph failed (%s); continuing without it", exc)
         return proto
+
+
+def _shape_concat_training_lengths(proto: onnx.ModelProto) -> None:
+    """Give ``com.microsoft::ConcatTraining``'s second output (the length of each input
+    along the axis, int64, one per input: ORT's schema) its shape, which onnx's inference
+    cannot (it knows no com.microsoft op).  ORT's fusions turn every Concat into one; the
+    recompute analysis skipped each candidate that would stash or clone such a value
+    ("the size of 'per_input_length_token_8' is unknown")."""
+    known = {info.name for info in (*proto.graph.value_info, *proto.graph.output, *proto.graph.input)}
+    for node in proto.graph.node:
+        if node.domain == "com.microsoft" and node.op_type == "ConcatTraining" and len(node.output) > 1:
+            lengths = node.output[1]
+            if lengths and lengths not in known:
+                proto.graph.value_info.append(
+                    onnx.helper.make_tensor_value_info(lengths, onnx.TensorProto.INT64, [len(node.input)])
+                )
 
 
 def _check_gradient_outputs(proto: onnx.ModelProto, params: Sequence[str]) -> dict[str, str]:
