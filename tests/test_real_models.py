@@ -81,6 +81,17 @@ FAMILIES: dict[str, Family] = {
     "llama": Family(lambda p: transformers.LlamaConfig(**_causal_common(p)), "LlamaForCausalLM", "causal"),
     "mistral": Family(lambda p: transformers.MistralConfig(**_causal_common(p)), "MistralForCausalLM", "causal"),
     "qwen2": Family(lambda p: transformers.Qwen2Config(**_causal_common(p)), "Qwen2ForCausalLM", "causal"),
+    "gemma": Family(lambda p: transformers.GemmaConfig(**_causal_common(p), head_dim=HIDDEN // HEADS),
+                    "GemmaForCausalLM", "causal"),
+    "phi3": Family(lambda p: transformers.Phi3Config(**_causal_common(p), pad_token_id=0), "Phi3ForCausalLM", "causal"),
+    "gptj": Family(lambda p: transformers.GPTJConfig(
+        vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_positions=POSITIONS, rotary_dim=8,
+        resid_pdrop=p, embd_pdrop=p, attn_pdrop=p, use_cache=False, bos_token_id=0, eos_token_id=0,
+    ), "GPTJForCausalLM", "causal"),
+    "falcon": Family(lambda p: transformers.FalconConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+        attention_dropout=p, hidden_dropout=p, use_cache=False, bos_token_id=0, eos_token_id=0,
+    ), "FalconForCausalLM", "causal"),
     "bert": Family(lambda p: transformers.BertConfig(
         vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
         intermediate_size=FFN, max_position_embeddings=POSITIONS, hidden_dropout_prob=p,
@@ -91,6 +102,16 @@ FAMILIES: dict[str, Family] = {
         intermediate_size=FFN, max_position_embeddings=POSITIONS + 2, hidden_dropout_prob=p,
         attention_probs_dropout_prob=p, pad_token_id=1,
     ), "RobertaForMaskedLM", "mlm"),
+    "electra": Family(lambda p: transformers.ElectraConfig(
+        vocab_size=VOCAB, embedding_size=HIDDEN, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, intermediate_size=FFN, max_position_embeddings=POSITIONS,
+        hidden_dropout_prob=p, attention_probs_dropout_prob=p,
+    ), "ElectraForMaskedLM", "mlm"),
+    "albert": Family(lambda p: transformers.AlbertConfig(
+        vocab_size=VOCAB, embedding_size=HIDDEN, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, intermediate_size=FFN, max_position_embeddings=POSITIONS,
+        hidden_dropout_prob=p, attention_probs_dropout_prob=p,
+    ), "AlbertForMaskedLM", "mlm"),
     "distilbert": Family(lambda p: transformers.DistilBertConfig(
         vocab_size=VOCAB, dim=HIDDEN, n_layers=LAYERS, n_heads=HEADS, hidden_dim=FFN,
         max_position_embeddings=POSITIONS, dropout=p, attention_dropout=p,
@@ -248,3 +269,18 @@ def test_recompute_is_bitwise_exact_with_dropout(exported_with_dropout):
 def test_dropout_step_matches_torch_with_masks_replayed(exported_with_dropout):
     exported = exported_with_dropout
     check_parity(exported.module, exported.args, exported.trained, input_names=NAMES).assert_ok()
+
+
+def test_unsupported_family_fails_naming_the_op_the_module_and_the_way_out():
+    # Mixtral's expert routing counts tokens per expert with torch.histc, which the
+    # TorchScript exporter cannot convert (and whose data-dependent expert loop tracing
+    # would freeze); the README's family table quotes this error.
+    config = transformers.MixtralConfig(**_causal_common(0.0), num_local_experts=4, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    module = TrainingCall(transformers.MixtralForCausalLM(config))
+    with pytest.raises(ortpass.errors.ExportError) as failure:
+        export(module, _batch("causal"), input_names=NAMES, dynamic_axes=DYNAMIC)
+    message = str(failure.value)
+    assert "Exporting the operator 'aten::histc'" in message
+    assert "in model.model.layers.0.mlp.experts (MixtralExperts)" in message  # the module that called it
+    assert "ortpass.export.register_symbolic('aten::histc')" in message
