@@ -284,3 +284,15 @@ def test_unsupported_family_fails_naming_the_op_the_module_and_the_way_out():
     assert "Exporting the operator 'aten::histc'" in message
     assert "in model.model.layers.0.mlp.experts (MixtralExperts)" in message  # the module that called it
     assert "ortpass.export.register_symbolic('aten::histc')" in message
+
+
+def test_decoder_with_its_default_kv_cache_matches_torch():
+    # use_cache=True (the config default): the keys come out of a DynamicCache, and
+    # tracing loses their head size, which the grouped-query SDPA export reads.
+    config = FAMILIES["llama"].config(0.0)
+    config.use_cache = True
+    torch.manual_seed(0)
+    module = TrainingCall(transformers.LlamaForCausalLM(config))
+    args = _batch("causal")
+    trained = ortpass.pipeline(DEFAULT_PIPELINE)(export(module, args, input_names=NAMES, dynamic_axes=DYNAMIC)).model
+    check_parity(module, args, trained, input_names=NAMES).assert_ok()

@@ -177,13 +177,14 @@ def _repeat_kv_heads(g, query, key_or_value):
 
     query_sizes = symbolic_helper._get_tensor_sizes(query)
     sizes = symbolic_helper._get_tensor_sizes(key_or_value)
-    if not query_sizes or not sizes or len(sizes) != 4 or None in (query_sizes[-3], sizes[-3], sizes[-1]):
+    if not query_sizes or not sizes or len(sizes) != 4 or None in (query_sizes[-3], sizes[-3]):
         raise torch.onnx.errors.SymbolicValueError(
-            "scaled_dot_product_attention(enable_gqa=True) exports only rank-4 inputs with known head counts and head size",
-            query,
+            "scaled_dot_product_attention(enable_gqa=True) exports only rank-4 inputs with known head counts", query
         )
-    heads, kv_heads, head_size = query_sizes[-3], sizes[-3], sizes[-1]
+    heads, kv_heads = query_sizes[-3], sizes[-3]
     # [batch, kv_heads, seq, head] -> [batch, kv_heads, 1, seq, head] -> [batch, kv_heads, r, seq, head]
     expanded = g.op("Expand", g.op("Unsqueeze", key_or_value, _constant(g, [2])), _constant(g, [1, 1, heads // kv_heads, 1, 1]))
-    # Reshape's 0 keeps the batch size, -1 takes the sequence length.
-    return g.op("Reshape", expanded, _constant(g, [0, heads, -1, head_size]))
+    # Reshape's 0 keeps the batch size, -1 takes the sequence length; the head size comes
+    # from the tensor's shape when tracing lost it (a key read from a KV cache).
+    head_size = _constant(g, [sizes[-1]]) if sizes[-1] is not None else _slice(g, g.op("Shape", key_or_value), 0, 3, 4)
+    return g.op("Reshape", expanded, g.op("Concat", _constant(g, [0, heads, -1]), head_size, axis_i=0))
