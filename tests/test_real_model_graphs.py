@@ -139,3 +139,18 @@ def test_one_layer_boundary_per_attention_block(run):
     family, r = run
     boundaries = find_layer_boundaries(get_partition(r.result.model).forward)
     assert len(boundaries) == {"gpt2": 2, "bert": 2, "llama": 2, "t5": 6}[family]
+
+
+# What each family's level-1 recompute must clone, among what this change made possible.
+EXPECTED_CLONES = {
+    "gpt2": {"Gemm", "IsNaN", "ConcatTraining"},  # Conv1D's Gemm, the SDPA NaN guard, the QKV concat
+    "bert": {"LayerNormalization", "IsNaN"},  # needs the post-LN layer boundaries
+    "llama": {"SimplifiedLayerNormalization", "IsNaN"},
+    "t5": {"SimplifiedLayerNormalization"},
+}
+
+
+def test_recompute_clones_what_real_graphs_hold(run):
+    family, r = run
+    cloned = {node.op_type for node in r.result.model.graph if node.name.endswith("_recompute")}
+    assert EXPECTED_CLONES[family] <= cloned, f"{family}: cloned {sorted(cloned)}"

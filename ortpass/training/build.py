@@ -528,7 +528,7 @@ def _check_gradient_outputs(proto: onnx.ModelProto, params: Sequence[str]) -> di
     return gradients
 
 
-def _static_shapes(proto: onnx.ModelProto) -> dict[str, list[int | str | None]]:
+def _known_shapes(proto: onnx.ModelProto) -> dict[str, list[int | str | None]]:
     """Known shapes by value name: each dim an int, a dim param, or None (unknown)."""
     shapes: dict[str, list[int | str | None]] = {}
     for info in (*proto.graph.input, *proto.graph.value_info, *proto.graph.output):
@@ -573,9 +573,13 @@ def _reduce_broadcast_where_gradients(proto: onnx.ModelProto, forward_names: set
     nodes for Where ``W`` are named ``<W>_Grad/...``; its Where for input ``i`` reads
     ``dY`` at position ``i``.
     """
-    shapes = _static_shapes(proto)
+    shapes = _known_shapes(proto)
     opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), MAX_ORT_OPSET)
-    forwards = {n.name: n for n in proto.graph.node if n.op_type == "Where" and n.domain in ("", "ai.onnx") and n.name in forward_names}
+    forwards = {
+        n.name: n
+        for n in proto.graph.node
+        if n.op_type == "Where" and n.domain in ("", "ai.onnx") and n.name in forward_names
+    }
     repaired = 0
     position = 0
     while position < len(proto.graph.node):
@@ -653,7 +657,7 @@ def _axes_node(
 def _check_gradient_shapes(proto: onnx.ModelProto, gradients: dict[str, str]) -> None:
     """Refuse, naming the parameter, a gradient whose static shape is not its parameter's
     (the shapes ORT's builder and onnx's inference give the gradient outputs)."""
-    shapes = _static_shapes(proto)
+    shapes = _known_shapes(proto)
     for param, grad in gradients.items():
         want, got = shapes.get(param), shapes.get(grad)
         if want is None or got is None or any(not isinstance(d, int) for d in (*want, *got)):
