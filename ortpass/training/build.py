@@ -440,21 +440,53 @@ def _infer_forward_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def _keep_given_shapes(given: onnx.ModelProto, inferred: onnx.ModelProto) -> onnx.ModelProto:
-    """Put back the shapes the model came with where the symbolic inference lost them.
+    """Put back the shapes and dim names the model came with where the symbolic inference
+    lost them.
 
     It has no rule for some contrib ops on some types: the labels' ``ShrunkenGather`` from
     ``insert-gather-before-sce-loss`` came out shapeless, so the recompute analysis could
-    not size that stashed tensor, though the pass had given it ``[valid_label_count_N]``.
+    not size that stashed tensor.  And it names a data-dependent dim after the node that
+    makes it (``NonZero_308_o0__d1``), where the pass had named it ``valid_label_count_0``,
+    the name a user binds with ``dims=``.
     """
+    given_infos = [info for info in given.graph.value_info if info.type.tensor_type.HasField("shape")]
+    inferred_infos = [*inferred.graph.value_info, *inferred.graph.input, *inferred.graph.output]
+    renames = _dim_renames([*given_infos, *given.graph.input, *given.graph.output], inferred_infos)
+    if renames:
+        pattern = re.compile(r"\b(" + "|".join(map(re.escape, renames)) + r")\b")
+        for info in inferred_infos:
+            for dim in info.type.tensor_type.shape.dim:
+                if dim.HasField("dim_param"):
+                    dim.dim_param = pattern.sub(lambda match: renames[match.group(1)], dim.dim_param)
     known = {
         info.name
-        for info in (*inferred.graph.value_info, *inferred.graph.input, *inferred.graph.output)
+        for info in inferred_infos
         if info.type.HasField("tensor_type") and info.type.tensor_type.HasField("shape")
     }
-    inferred.graph.value_info.extend(
-        info for info in given.graph.value_info if info.name not in known and info.type.tensor_type.HasField("shape")
-    )
+    inferred.graph.value_info.extend(info for info in given_infos if info.name not in known)
     return inferred
+
+
+def _dim_renames(given: Sequence[onnx.ValueInfoProto], inferred: Sequence[onnx.ValueInfoProto]) -> dict[str, str]:
+    """``inferred name -> given name`` for the plain dim names the inference made up in
+    place of a name the model gave, where every value agrees on the pair."""
+    shapes = {info.name: info.type.tensor_type.shape.dim for info in inferred if info.type.tensor_type.HasField("shape")}
+    pairs: dict[str, set[str]] = {}
+    for info in given:
+        dims = shapes.get(info.name)
+        if dims is None or len(dims) != len(info.type.tensor_type.shape.dim):
+            continue
+        for before, after in zip(info.type.tensor_type.shape.dim, dims):
+            if before.HasField("dim_param") and after.HasField("dim_param") and before.dim_param != after.dim_param:
+                if before.dim_param.isidentifier() and after.dim_param.isidentifier():
+                    pairs.setdefault(after.dim_param, set()).add(before.dim_param)
+    # Only names the inference made up: never one the model itself uses (batch, seq).
+    used = {dim.dim_param for info in given for dim in info.type.tensor_type.shape.dim if dim.HasField("dim_param")}
+    return {
+        after: befores.pop()
+        for after, befores in pairs.items()
+        if len(befores) == 1 and after not in used and not next(iter(befores)).startswith("unk__")
+    }
 
 
 def _infer_static_shapes(proto: onnx.ModelProto) -> onnx.ModelProto | None:
