@@ -3,8 +3,10 @@
 Uses torch.onnx's TorchScript exporter (``dynamo=False``) in training mode: it is the
 exporter that keeps Dropout with its mask, calls custom symbolics for
 ``torch.autograd.Function`` (which become ``com.microsoft::PythonOp``) and names parameter
-initializers by their ``state_dict`` names.  See the README for the ``dynamo=True`` path
-that ``torch.library.custom_op`` functions take.
+initializers by their ``state_dict`` names.  ortpass's own symbolics fill the exporter's
+gaps for the aten ops real models call (``ortpass.export.symbolics``), and an op it still
+cannot convert fails naming the module and source line that called it, with the way out.
+See the README for the ``dynamo=True`` path that ``torch.library.custom_op`` functions take.
 """
 
 from __future__ import annotations
