@@ -1,5 +1,5 @@
-"""ORT 1.19.2's gradient builder leaves the gradient of a broadcast ``Where`` input in the
-output's shape; the gradient build reduces it, and a gradient whose shape is not its
+"""ORT 1.19.2's gradient builder leaves the gradient of a broadcast ``Where`` input (and of
+a broadcast ``Pow`` base) in the output's shape; the gradient build reduces it, and a gradient whose shape is not its
 parameter's is refused (at build time when static, at run time otherwise)."""
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def test_where_without_broadcast_is_left_alone():
 
 
 def _without_repair(monkeypatch):
-    monkeypatch.setattr(build_module, "_reduce_broadcast_where_gradients", lambda proto, names: 0)
+    monkeypatch.setattr(build_module, "_reduce_broadcast_gradients", lambda proto, names: 0)
 
 
 def test_without_the_repair_a_static_wrong_gradient_shape_is_refused_at_build(monkeypatch):
@@ -101,3 +101,38 @@ def test_without_the_repair_a_symbolic_wrong_gradient_shape_is_refused_at_run_ti
     training = build_training_graph(_where_model("batch", (1, 4, 8, 8), 1), params=["bias"], loss="loss")
     with pytest.raises(OrtpassError, match=r"gradient of parameter 'bias' has shape \[2, 4, 8, 8\]"):
         TrainingSession(training).run(_batch())
+
+
+def _pow_model(batch, base_shape) -> ir.Model:
+    """loss = sum(Pow(base, x) * x), the base a parameter broadcast against x."""
+    base = (np.random.default_rng(0).random(base_shape) + 0.5).astype(np.float32)
+    nodes = [
+        oh.make_node("Pow", ["base", "x"], ["p"], name="pow"),
+        oh.make_node("Mul", ["p", "x"], ["m"], name="mul"),
+        oh.make_node("ReduceSum", ["m"], ["loss"], keepdims=0, name="sum"),
+    ]
+    graph = oh.make_graph(
+        nodes, "pow_broadcast", [oh.make_tensor_value_info("x", FLOAT, [batch, *OUT[1:]])],
+        [oh.make_tensor_value_info("loss", FLOAT, [])], [onnx.numpy_helper.from_array(base, "base")],
+    )
+    return ir.from_proto(oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)], ir_version=9))
+
+
+@pytest.mark.parametrize("batch_dim", [2, "batch"], ids=["static", "symbolic"])
+@pytest.mark.parametrize("base_shape", [(1, 4, 8, 8), (8, 8)], ids=["leading-1", "lower-rank"])
+def test_broadcast_pow_base_gets_its_own_gradient(batch_dim, base_shape):
+    model = _pow_model(batch_dim, base_shape)
+    training = build_training_graph(model, params=["base"], loss="loss")
+    x = (np.random.default_rng(1).random(OUT) + 0.5).astype(np.float32)
+    gradient = TrainingSession(training).run({"x": x}).gradients["base"]
+    base = torch.tensor(model.graph.initializers["base"].const_value.numpy(), requires_grad=True)
+    xt = torch.tensor(x)
+    (base**xt * xt).sum().backward()
+    assert gradient.shape == base_shape
+    np.testing.assert_allclose(gradient, base.grad.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_without_the_repair_the_pow_base_gradient_is_refused(monkeypatch):
+    _without_repair(monkeypatch)
+    with pytest.raises(TrainingGraphError, match=r"parameter 'base' has shape \[2, 4, 8, 8\]"):
+        build_training_graph(_pow_model(2, (1, 4, 8, 8)), params=["base"], loss="loss")

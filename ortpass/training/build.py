@@ -10,8 +10,8 @@ adds around it:
 - parameters made graph inputs, as the builder requires (their values stay initializers,
   so the model is self-contained and ORT treats them as overridable defaults);
 - the IR version clamped to what ORT 1.19.2 loads;
-- the gradient of a broadcast ``Where`` input reduced to the input's shape, which ORT
-  1.19.2's builder forgets (:func:`_reduce_broadcast_where_gradients`), and every
+- the gradient of a broadcast ``Where`` input (or ``Pow`` base) reduced to the input's
+  shape, which ORT 1.19.2's builder forgets (:func:`_reduce_broadcast_gradients`), and every
   parameter's gradient checked to have the parameter's shape;
 - an explicit forward/backward partition recorded in the result
   (:mod:`ortpass.analysis.partition`), and shapes on the forward values analyses read.
@@ -96,7 +96,7 @@ def build_training_graph(
     forward_names = _ensure_unique_node_names(proto)
     _make_params_inputs(proto, params, loss)
     training_proto = _run_gradient_builder(proto, loss, params)
-    _reduce_broadcast_where_gradients(training_proto, forward_names)
+    _reduce_broadcast_gradients(training_proto, forward_names)
     clamp_for_ort(training_proto)
     training_proto = _infer_shapes(training_proto)
     _shape_concat_training_lengths(training_proto)
@@ -591,44 +591,53 @@ def _broadcast_axes(source: list, result: list) -> list[int] | None:
     return axes
 
 
-def _reduce_broadcast_where_gradients(proto: onnx.ModelProto, forward_names: set[str]) -> int:
-    """Reduce the gradient of each broadcast input of a forward ``Where`` to that input's
-    shape; returns how many gradients were repaired.
+# Ops whose gradient ORT 1.19.2's builder leaves in the output's shape for a broadcast
+# input, and those inputs (measured, docs/design/ort-facts.md; Add, Sub, Mul, Div, Min and
+# Max reduce theirs).
+_UNREDUCED_BROADCAST_GRADIENTS = {"Where": (1, 2), "Pow": (0,)}
+
+
+def _reduce_broadcast_gradients(proto: onnx.ModelProto, forward_names: set[str]) -> int:
+    """Reduce the gradient of each broadcast input of a forward ``Where`` or ``Pow`` (base)
+    to that input's shape; returns how many gradients were repaired.
 
     ORT 1.19.2 differentiates ``Where(c, x, y)`` as ``Where(c, dY, 0)`` for ``x`` and
-    ``Where(c, 0, dY)`` for ``y``, in the output's shape, without the reduction its other
-    broadcasting ops get (measured: a (1,4,8,8) parameter read by a Where with a (2,4,8,8)
-    output got a (2,4,8,8) gradient, silently; T5's relative-attention bias made the step
-    fail at the Squeeze its Unsqueeze's gradient applies).  The repair sums over the
-    broadcast axes (``ReduceSum(keepdims=1)``) and drops the leading axes the input lacks
-    (``Squeeze``), as numpy's broadcasting rule dictates for a gradient.  The builder's
-    nodes for Where ``W`` are named ``<W>_Grad/...``; its Where for input ``i`` reads
-    ``dY`` at position ``i``.
+    ``Where(c, 0, dY)`` for ``y``, and ``Pow``'s base as ``dY * b * a^(b-1)``, in the
+    output's shape, without the reduction its other broadcasting ops get (measured: a
+    (1,4,8,8) parameter read by a Where with a (2,4,8,8) output got a (2,4,8,8) gradient,
+    silently; T5's relative-attention bias made the step fail at the Squeeze its
+    Unsqueeze's gradient applies).  The repair sums over the broadcast axes
+    (``ReduceSum(keepdims=1)``) and drops the leading axes the input lacks (``Squeeze``),
+    as numpy's broadcasting rule dictates for a gradient.  The builder names the nodes it
+    emits for node ``F`` ``<F>_Grad/...``, and the gradient of value ``v`` ``v_grad``
+    (``v_grad_<k>`` for one of several contributions, summed later).
     """
     shapes = _known_shapes(proto)
     opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), MAX_ORT_OPSET)
-    forwards = {
-        n.name: n
-        for n in proto.graph.node
-        if n.op_type == "Where" and n.domain in ("", "ai.onnx") and n.name in forward_names
-    }
+    wanted: dict[str, tuple[onnx.NodeProto, dict[str, int]]] = {}  # grad-node prefix -> forward node, input by name
+    for node in proto.graph.node:
+        indices = _UNREDUCED_BROADCAST_GRADIENTS.get(node.op_type)
+        if indices and node.domain in ("", "ai.onnx") and node.name in forward_names:
+            inputs = {node.input[i]: i for i in indices if i < len(node.input) and node.input[i]}
+            wanted[f"{node.name}_Grad/"] = (node, inputs)
     repaired = 0
     position = 0
     while position < len(proto.graph.node):
         node = proto.graph.node[position]
         position += 1
-        owner = forwards.get(node.name.split("_Grad/", 1)[0]) if "_Grad/" in node.name else None
-        if owner is None or node.op_type != "Where" or len(node.input) != 3 or node.input[0] != owner.input[0]:
+        prefix = node.name.split("_Grad/", 1)[0] + "_Grad/" if "_Grad/" in node.name else None
+        if prefix not in wanted or len(node.output) != 1:
             continue
-        index = _where_gradient_input(node, shapes)
+        owner, inputs = wanted[prefix]
+        index = next((i for name, i in inputs.items() if _is_gradient_name(node.output[0], name)), None)
         if index is None:
             continue
         source, result = shapes.get(owner.input[index]), shapes.get(owner.output[0])
         axes = None if source is None or result is None else _broadcast_axes(source, result)
         if axes is None:
             logger.warning(
-                "cannot tell whether Where %r broadcast its input %r (shapes unknown); its gradient is left as "
-                "ONNX Runtime built it", owner.name, owner.input[index]
+                "cannot tell whether %s %r broadcast its input %r (shapes unknown); its gradient is left as "
+                "ONNX Runtime built it", owner.op_type, owner.name, owner.input[index]
             )
             continue
         if not axes:
@@ -639,24 +648,18 @@ def _reduce_broadcast_where_gradients(proto: onnx.ModelProto, forward_names: set
         position += len(new_nodes)
         repaired += 1
         logger.info(
-            "reduced the gradient of Where %r's input %r over broadcast axes %s (ONNX Runtime's builder left it "
-            "in the output's shape)", owner.name, owner.input[index], axes
+            "reduced the gradient of %s %r's input %r over broadcast axes %s (ONNX Runtime's builder left it "
+            "in the output's shape)", owner.op_type, owner.name, owner.input[index], axes
         )
     return repaired
 
 
-def _where_gradient_input(node: onnx.NodeProto, shapes: dict[str, list]) -> int | None:
-    """Which input of the forward Where this gradient Where is for: the position of dY;
-    the other branch is the builder's zero (a one-element ``ZeroConstant*`` initializer)."""
-
-    def is_zero(name: str) -> bool:
-        return name.startswith("ZeroConstant") and shapes.get(name) in ([], [1])
-
-    if is_zero(node.input[2]) and not is_zero(node.input[1]):
-        return 1
-    if is_zero(node.input[1]) and not is_zero(node.input[2]):
-        return 2
-    return None
+def _is_gradient_name(name: str, value: str) -> bool:
+    """True when ``name`` is what ORT's builder calls (a contribution to) ``value``'s gradient."""
+    if not name.startswith(f"{value}_grad"):
+        return False
+    rest = name[len(value) + len("_grad"):]
+    return rest == "" or (rest[0] == "_" and rest[1:].isdigit())
 
 
 def _reduce_to_input_shape(
