@@ -3,8 +3,10 @@
 Uses torch.onnx's TorchScript exporter (``dynamo=False``) in training mode: it is the
 exporter that keeps Dropout with its mask, calls custom symbolics for
 ``torch.autograd.Function`` (which become ``com.microsoft::PythonOp``) and names parameter
-initializers by their ``state_dict`` names.  See the README for the ``dynamo=True`` path
-that ``torch.library.custom_op`` functions take.
+initializers by their ``state_dict`` names.  ortpass's own symbolics fill the exporter's
+gaps for the aten ops real models call (``ortpass.export.symbolics``), and an op it still
+cannot convert fails naming the module and source line that called it, with the way out.
+See the README for the ``dynamo=True`` path that ``torch.library.custom_op`` functions take.
 """
 
 from __future__ import annotations
@@ -103,6 +105,7 @@ def _run_torchscript_export(module, args, input_names, loss_name, opset, dynamic
     # Imported here: both hook into torch while the exporter runs and are undone after.
     from ortpass.export.density import density_probe
     from ortpass.export.pythonop import pythonop_export_context
+    from ortpass.export.symbolics import symbolics_context
 
     was_training = module.training
     module.train()
@@ -111,6 +114,7 @@ def _run_torchscript_export(module, args, input_names, loss_name, opset, dynamic
     try:
         with contextlib.ExitStack() as hooks, warnings.catch_warnings():
             hooks.enter_context(pythonop_export_context())
+            hooks.enter_context(symbolics_context(opset))
             if density_threshold is not None:
                 probe = hooks.enter_context(density_probe(module, threshold=density_threshold))
             # The TorchScript exporter is deprecated in favour of dynamo; it is the path that
@@ -133,10 +137,51 @@ def _run_torchscript_export(module, args, input_names, loss_name, opset, dynamic
     except ExportError:
         raise
     except Exception as exc:
-        raise ExportError(f"torch.onnx.export of {type(module).__name__} failed: {type(exc).__name__}: {exc}") from exc
+        raise ExportError(
+            f"torch.onnx.export of {type(module).__name__} failed: {type(exc).__name__}: {exc}{_where_and_way_out(exc)}"
+        ) from exc
     finally:
         module.train(was_training)
     return onnx.load_from_string(buffer.getvalue()), (probe.records if probe is not None else [])
+
+
+def _where_and_way_out(exc: Exception) -> str:
+    """For a torch op the exporter cannot convert: which module called it, and what to do.
+
+    torch's error names only the op; the traced node it was converting, still a local of
+    the exporter's ``_run_symbolic_function`` frame in the traceback, knows the module
+    (its scope) and the source line.
+    """
+    node = None
+    traceback = exc.__traceback__
+    while traceback is not None:
+        if traceback.tb_frame.f_code.co_name == "_run_symbolic_function":
+            node = traceback.tb_frame.f_locals.get("node")
+        traceback = traceback.tb_next
+    if node is None:
+        return ""
+    kind = node.kind()
+    scope = _module_path(node.scopeName())
+    source = str(node.sourceRange()).strip().splitlines()
+    where = f"\n  in {scope}" + (f", {source[0].strip()}" if source else "")
+    if not isinstance(exc, torch.onnx.errors.UnsupportedOperatorError):
+        return where
+    return (
+        f"{where}\n  way out: give {kind} a symbolic with "
+        f"@ortpass.export.register_symbolic({kind!r}) (fn(g, *inputs) emitting ONNX ops with g.op), "
+        "or rewrite that call with ops the exporter supports"
+    )
+
+
+def _module_path(scope_name: str) -> str:
+    """``model.layers.0.mlp (MixtralSparseMoeBlock)`` from a TorchScript scope name, which
+    reads ``pkg.Top::/pkg.Model::model/pkg.Layer::layers.0/...``: one ``class::attribute``
+    per module on the way down."""
+    parts = [segment.rpartition("::") for segment in scope_name.split("/") if segment]
+    path = ".".join(attribute for _, _, attribute in parts if attribute)
+    if not path:
+        return "the top-level module"
+    return f"{path} ({parts[-1][0].rpartition('.')[2]})"
 
 
 def _check_loss_output(proto: onnx.ModelProto, loss_name: str) -> None:

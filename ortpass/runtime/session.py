@@ -47,6 +47,7 @@ __all__ = [
     "TrainingSession",
     "disabled_optimizers",
     "dropout_mask_names",
+    "forward_dropouts",
     "with_dropout_masks",
 ]
 
@@ -83,6 +84,11 @@ class TrainingSession:
             Dropout masks from :func:`with_dropout_masks`, for parity checks).
         optimized_model_path: where ORT should write the graph it actually runs, to check
             that rewrites survived its optimizers.
+        threads: ORT's intra-op thread count (default: ORT's, one per core).  With 1, a
+            step is bitwise reproducible: on more threads, CPU ``GatherGrad`` (every
+            embedding's gradient) adds rows in whatever order the threads reach them, and
+            ``use_deterministic_compute`` does not change that (measured on 1.19.2;
+            docs/design/ort-facts.md).
     """
 
     def __init__(
@@ -92,6 +98,7 @@ class TrainingSession:
         *,
         extra_outputs: Sequence[str] = (),
         optimized_model_path: str | os.PathLike | None = None,
+        threads: int | None = None,
     ) -> None:
         import onnxruntime as ort
 
@@ -112,6 +119,8 @@ class TrainingSession:
         # 4-layer decoder with recompute (benchmarks/recompute_memory.py).
         options.enable_mem_reuse = False
         options.enable_mem_pattern = False
+        if threads is not None:
+            options.intra_op_num_threads = threads
         if optimized_model_path is not None:
             options.optimized_model_filepath = os.fspath(optimized_model_path)
         self.providers = _resolve_providers(providers, ort.get_available_providers())
@@ -205,7 +214,7 @@ def dropout_mask_names(model: ir.Model) -> list[str]:
     models, :func:`with_dropout_masks` gives a copy that has them back.
     """
     names = []
-    for node in _forward_dropouts(model):
+    for node in forward_dropouts(model):
         if len(node.outputs) < 2 or not node.outputs[1].name:
             raise OrtpassError(
                 f"Dropout {node.name!r} has no mask output (a pass dropped it); use with_dropout_masks(model)"
@@ -223,7 +232,7 @@ def with_dropout_masks(model: ir.Model) -> tuple[ir.Model, list[str]]:
     """
     copy = model.clone()
     taken = {v.name for n in copy.graph for v in n.outputs} | {v.name for v in copy.graph.inputs}
-    for node in _forward_dropouts(copy):
+    for node in forward_dropouts(copy):
         if len(node.outputs) >= 2 and node.outputs[1].name:
             continue
         node.resize_outputs(2)
@@ -234,7 +243,8 @@ def with_dropout_masks(model: ir.Model) -> tuple[ir.Model, list[str]]:
     return copy, dropout_mask_names(copy)
 
 
-def _forward_dropouts(model: ir.Model) -> list[ir.Node]:
+def forward_dropouts(model: ir.Model) -> list[ir.Node]:
+    """The forward Dropout nodes, in graph (= call) order."""
     return [
         node
         for node in model.graph

@@ -24,6 +24,7 @@ import re
 from typing import Iterable, Sequence
 
 import onnx
+import onnx.numpy_helper
 import onnx_ir as ir
 
 from ortpass.analysis.partition import SIDE_KEY, TrainingInfo, set_training_info, tag
@@ -91,6 +92,7 @@ def build_training_graph(
         # call back into the registered Functions, and a bad PythonOp gets named here.
         bridge.prepare(model)
     clamp_for_ort(proto)
+    _remove_inference_dropouts(proto)
     # Shapes first: ORT keeps the shapes it is given through its fusions, but its symbolic
     # inference has no rule for the ConcatTraining those fusions emit.
     proto = _infer_forward_shapes(proto)
@@ -303,6 +305,51 @@ def _add_outputs_the_gradient_builder_needs(proto: onnx.ModelProto) -> None:
                 node.output[position] = f"{stem}_ortpass_out{position}"
 
 
+def _remove_inference_dropouts(proto: onnx.ModelProto) -> int:
+    """Replace every Dropout whose ``training_mode`` is omitted or a constant false by what
+    it computes, the identity (and an all-true mask); returns how many.
+
+    ORT's ``DropoutGrad`` ignores ``training_mode``: it always multiplies by the mask and
+    scales by ``1 / (1 - ratio)`` (measured on 1.19.2; docs/design/ort-facts.md), so the
+    gradient of an inference-mode Dropout, the identity in forward, came out scaled in
+    backward, and differently again once a pass replaced that DropoutGrad.  torch's
+    export of SDPA with dropout wrote such Dropouts (issue #21).
+    """
+    constants = {t.name: t for t in proto.graph.initializer}
+    constants.update(
+        (node.output[0], node.attribute[0].t)
+        for node in proto.graph.node
+        if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value"
+    )
+    nodes, removed = [], 0
+    for node in proto.graph.node:
+        if node.op_type != "Dropout" or node.domain not in ("", "ai.onnx") or not _is_inference_mode(node, constants):
+            nodes.append(node)
+            continue
+        stem = node.name or node.output[0]
+        nodes.append(onnx.helper.make_node("Identity", [node.input[0]], [node.output[0]], name=f"{stem}_inference_identity"))
+        if len(node.output) > 1 and node.output[1]:
+            shape = f"{stem}_inference_shape"
+            nodes.append(onnx.helper.make_node("Shape", [node.input[0]], [shape], name=shape))
+            nodes.append(onnx.helper.make_node(
+                "ConstantOfShape", [shape], [node.output[1]], name=f"{stem}_inference_mask",
+                value=onnx.helper.make_tensor("true", onnx.TensorProto.BOOL, [1], [True]),
+            ))
+        removed += 1
+    if removed:
+        del proto.graph.node[:]
+        proto.graph.node.extend(nodes)
+        logger.info("replaced %d inference-mode Dropout(s) by Identity", removed)
+    return removed
+
+
+def _is_inference_mode(dropout: onnx.NodeProto, constants: dict[str, onnx.TensorProto]) -> bool:
+    if len(dropout.input) < 3 or not dropout.input[2]:
+        return True
+    mode = constants.get(dropout.input[2])
+    return mode is not None and not bool(onnx.numpy_helper.to_array(mode).item())
+
+
 def _ensure_unique_node_names(proto: onnx.ModelProto) -> set[str]:
     seen: set[str] = set()
     for index, node in enumerate(proto.graph.node):
@@ -395,7 +442,57 @@ def _infer_forward_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
         return proto
     if not complete:
         logger.debug("symbolic shape inference left some values unknown; keeping what it inferred")
-    return inference.out_mp_
+    return _keep_given_shapes(proto, inference.out_mp_)
+
+
+def _keep_given_shapes(given: onnx.ModelProto, inferred: onnx.ModelProto) -> onnx.ModelProto:
+    """Put back the shapes and dim names the model came with where the symbolic inference
+    lost them.
+
+    It has no rule for some contrib ops on some types: the labels' ``ShrunkenGather`` from
+    ``insert-gather-before-sce-loss`` came out shapeless, so the recompute analysis could
+    not size that stashed tensor.  And it names a data-dependent dim after the node that
+    makes it (``NonZero_308_o0__d1``), where the pass had named it ``valid_label_count_0``,
+    the name a user binds with ``dims=``.
+    """
+    given_infos = [info for info in given.graph.value_info if info.type.tensor_type.HasField("shape")]
+    inferred_infos = [*inferred.graph.value_info, *inferred.graph.input, *inferred.graph.output]
+    renames = _dim_renames([*given_infos, *given.graph.input, *given.graph.output], inferred_infos)
+    if renames:
+        pattern = re.compile(r"\b(" + "|".join(map(re.escape, renames)) + r")\b")
+        for info in inferred_infos:
+            for dim in info.type.tensor_type.shape.dim:
+                if dim.HasField("dim_param"):
+                    dim.dim_param = pattern.sub(lambda match: renames[match.group(1)], dim.dim_param)
+    known = {
+        info.name
+        for info in inferred_infos
+        if info.type.HasField("tensor_type") and info.type.tensor_type.HasField("shape")
+    }
+    inferred.graph.value_info.extend(info for info in given_infos if info.name not in known)
+    return inferred
+
+
+def _dim_renames(given: Sequence[onnx.ValueInfoProto], inferred: Sequence[onnx.ValueInfoProto]) -> dict[str, str]:
+    """``inferred name -> given name`` for the plain dim names the inference made up in
+    place of a name the model gave, where every value agrees on the pair."""
+    shapes = {info.name: info.type.tensor_type.shape.dim for info in inferred if info.type.tensor_type.HasField("shape")}
+    pairs: dict[str, set[str]] = {}
+    for info in given:
+        dims = shapes.get(info.name)
+        if dims is None or len(dims) != len(info.type.tensor_type.shape.dim):
+            continue
+        for before, after in zip(info.type.tensor_type.shape.dim, dims):
+            if before.HasField("dim_param") and after.HasField("dim_param") and before.dim_param != after.dim_param:
+                if before.dim_param.isidentifier() and after.dim_param.isidentifier():
+                    pairs.setdefault(after.dim_param, set()).add(before.dim_param)
+    # Only names the inference made up: never one the model itself uses (batch, seq).
+    used = {dim.dim_param for info in given for dim in info.type.tensor_type.shape.dim if dim.HasField("dim_param")}
+    return {
+        after: befores.pop()
+        for after, befores in pairs.items()
+        if len(befores) == 1 and after not in used and not next(iter(befores)).startswith("unk__")
+    }
 
 
 def _infer_static_shapes(proto: onnx.ModelProto) -> onnx.ModelProto | None:
