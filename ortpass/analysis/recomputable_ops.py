@@ -38,6 +38,8 @@ from typing import Iterable, Mapping
 import onnx
 import onnx_ir as ir
 
+from ortpass.conventions import FUSED_ATTENTION, FUSED_MASKED_ATTENTION
+
 __all__ = [
     "ProbeLevel",
     "RecomputableOp",
@@ -345,3 +347,10 @@ def _register_defaults() -> None:
 
 
 _register_defaults()
+
+
+# ortpass's own attention Functions (ortpass.export.fused_attention): forward is one fused
+# attention kernel, cheap next to the seq x seq probabilities it saves ORT from keeping, and
+# their dropout draws from torch's generator, which the recompute clone replays.
+for _name in (FUSED_ATTENTION, FUSED_MASKED_ATTENTION):
+    register_recomputable_function(_name, attention=True)

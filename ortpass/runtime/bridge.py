@@ -47,6 +47,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import dataclasses
+import importlib
 import itertools
 import logging
 import threading
@@ -55,6 +56,7 @@ from typing import Any, Iterable
 import onnx_ir as ir
 import torch
 
+from ortpass.conventions import BUILTIN_FUNCTION_MODULES
 from ortpass.errors import ModelLoadError, UnregisteredFunctionError
 
 __all__ = [
@@ -80,6 +82,7 @@ _given_to_ort: set[str] = set()
 _contexts: dict[int, "_CallRecord"] = {}
 _handles = itertools.count(1)
 _runners_installed = False
+_builtins_loaded = False
 _last_error: BaseException | None = None
 
 
@@ -118,10 +121,21 @@ def _key(function: Any) -> str:
 
 
 def registered_functions() -> dict[str, Any]:
-    """Functions the bridge may run: explicit registrations over those exported here."""
+    """Functions the bridge may run: explicit registrations over those exported here, and
+    ortpass's own Functions (:data:`ortpass.conventions.BUILTIN_FUNCTION_MODULES`)."""
     from ortpass.export.pythonop import exported_functions
 
+    _load_builtin_functions()
     return {**exported_functions(), **_functions}
+
+
+def _load_builtin_functions() -> None:
+    """Import the modules defining ortpass's own Functions; each registers on import."""
+    global _builtins_loaded
+    if not _builtins_loaded:
+        _builtins_loaded = True
+        for module in sorted(set(BUILTIN_FUNCTION_MODULES.values())):
+            importlib.import_module(module)
 
 
 def pythonop_func_names(model: ir.Model) -> dict[str, str]:
