@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import ortpass
+import ortpass.training
 from ortpass.cli import DEFAULT_PIPELINE
 from ortpass.conventions import BUILTIN_FUNCTION_MODULES, FUSED_ATTENTION, FUSED_MASKED_ATTENTION
 from ortpass.export import export
@@ -215,3 +216,20 @@ print(clones, np.isfinite(step.loss))
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split()[-2:] == ["4", "True"]
+
+
+def test_a_pythonop_whose_last_input_has_no_gradient_trains_on_ort():
+    """The masked attention's last tensor input (a bool mask) gets no gradient: ORT's
+    builder leaves that PythonOpGrad output unnamed, and serialization would drop it."""
+    torch.manual_seed(0)
+    module = _Attention(masked=True)
+    x = torch.randn(2, 6, 16)
+    training = ortpass.training.build_training_graph(export(module, (x,), fused_attention=True))
+    grad_node = next(n for n in training.graph if n.op_type == "PythonOpGrad")
+    assert len(grad_node.outputs) == 4 and all(o.name for o in grad_node.outputs)
+    step = TrainingSession(training).run({"input_0": x.numpy()})
+    loss = module(x)
+    loss.backward()
+    assert step.loss == pytest.approx(loss.item(), rel=1e-6)
+    for name, param in module.named_parameters():
+        np.testing.assert_allclose(step.gradients[name], param.grad.numpy(), rtol=1e-5, atol=1e-7)

@@ -87,6 +87,7 @@ def build_training_graph(
     forward_names = _ensure_unique_node_names(proto)
     _make_params_inputs(proto, params, loss)
     training_proto = _run_gradient_builder(proto, loss, params)
+    _name_unread_pythonop_grad_outputs(training_proto)
     clamp_for_ort(training_proto)
     training_proto = _infer_shapes(training_proto)
     gradients = _check_gradient_outputs(training_proto, params)
@@ -334,6 +335,25 @@ def _run_gradient_builder(proto: onnx.ModelProto, loss: str, params: Sequence[st
         return onnx.load_from_string(builder.get_model())
     except Exception as exc:  # ORT raises RuntimeError/Fail/InvalidGraph with its message
         raise TrainingGraphError(f"ONNX Runtime's gradient builder failed: {_ort_message(exc)}") from exc
+
+
+def _name_unread_pythonop_grad_outputs(proto: onnx.ModelProto) -> None:
+    """Give every PythonOpGrad one named output per ``output_tensor_types`` entry.
+
+    ORT's builder leaves the gradient of a non-differentiable input (an attention mask)
+    unnamed.  An unnamed *trailing* output is dropped when the model is serialized, and
+    ORT 1.19.2 then refuses its own node: "PythonOpGrad's output list and
+    "output_tensor_types" attribute should have the same length".
+    """
+    for node in proto.graph.node:
+        if node.op_type != "PythonOpGrad" or node.domain != "com.microsoft":
+            continue
+        types = next((list(a.ints) for a in node.attribute if a.name == "output_tensor_types"), [])
+        while len(node.output) < len(types):
+            node.output.append("")
+        for index, name in enumerate(node.output):
+            if not name:
+                node.output[index] = f"{node.name}_unread_output_{index}"
 
 
 _ORT_ERROR = re.compile(r"\[ONNXRuntimeError\] : \d+ : (\w+) : (.*)", re.DOTALL)
