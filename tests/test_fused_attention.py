@@ -21,6 +21,9 @@ from ortpass.export.fused_attention import FusedAttention, FusedMaskedAttention,
 from ortpass.export.pythonop import qualified_name
 from ortpass.runtime import TrainingSession
 
+#: The default pipeline, recomputing tensors of any size (the tiny models' are all below
+#: the default 1Mi-element floor).
+PIPELINE = DEFAULT_PIPELINE.replace("(level=1)", "(level=1, min_elements=0)")
 ROOT = Path(__file__).resolve().parents[1]
 _TORCH_SDPA = F.scaled_dot_product_attention
 
@@ -166,18 +169,20 @@ def _step_on_ort(training, batch, seed):
     return TrainingSession(training).run({k: v.numpy() for k, v in batch.items()})
 
 
-def test_gpt2_with_attention_dropout_matches_torch_and_recompute_clones_it(gpt2):
-    """Default pipeline on a fused-attention GPT-2 (attention dropout 0.1): recompute clones
-    the attention PythonOps, and one ORT step equals torch eager from the same generator
-    state, the attention dropout's mask included."""
+def test_gpt2_with_attention_dropout_matches_torch_with_recompute(gpt2):
+    """Default pipeline on a fused-attention GPT-2 (attention dropout 0.1): recompute
+    applies, and one ORT step equals torch eager from the same generator state, the
+    attention dropout's mask included."""
     module = _Loss(gpt2)
     ids = torch.randint(0, 1000, (2, 32), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
     forward = export(module, tuple(batch.values()), input_names=list(batch), fused_attention=True)
     assert len(_pythonops(forward)) == 2
-    result = ortpass.pipeline(DEFAULT_PIPELINE)(forward)
-    pythonops = [n for n in result.model.graph if n.op_type == "PythonOp"]
-    assert len(pythonops) == 4  # each attention and its recompute clone
+    result = ortpass.pipeline(PIPELINE)(forward)
+    # The gradient build hands the attention's shape inferer to ORT's symbolic inference:
+    # a static export stays static through the PythonOps, so savings are bytes, not symbols.
+    symbolic = {str(d) for n in result.model.graph for o in n.outputs if o.shape for d in o.shape.dims if not isinstance(d, int)}
+    assert symbolic == set()
     assert result.report["recompute"].stats["counts"]["occurrences recomputed"] >= 2
 
     step = _step_on_ort(result.model, batch, seed=11)
@@ -215,7 +220,8 @@ print(clones, np.isfinite(step.loss))
         env=dict(os.environ, PYTHONPATH=str(ROOT)),
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.split()[-2:] == ["4", "True"]
+    pythonops, finite = proc.stdout.split()[-2:]
+    assert int(pythonops) >= 2 and finite == "True"
 
 
 def test_a_pythonop_whose_last_input_has_no_gradient_trains_on_ort():
@@ -228,6 +234,44 @@ def test_a_pythonop_whose_last_input_has_no_gradient_trains_on_ort():
     grad_node = next(n for n in training.graph if n.op_type == "PythonOpGrad")
     assert len(grad_node.outputs) == 4 and all(o.name for o in grad_node.outputs)
     step = TrainingSession(training).run({"input_0": x.numpy()})
+    loss = module(x)
+    loss.backward()
+    assert step.loss == pytest.approx(loss.item(), rel=1e-6)
+    for name, param in module.named_parameters():
+        np.testing.assert_allclose(step.gradients[name], param.grad.numpy(), rtol=1e-5, atol=1e-7)
+
+
+class _CausalBlock(torch.nn.Module):
+    """Projections around a causal SDPA with attention dropout, no mask tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 48)
+        self.out = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        q, k, v = (t.unflatten(-1, (2, 8)).transpose(1, 2) for t in self.proj(x).chunk(3, dim=-1))
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=0.2)
+        return self.out(attended.transpose(1, 2).flatten(-2)).square().mean()
+
+
+def test_recomputed_attention_replays_its_dropout_mask():
+    """The attention PythonOp recomputed in backward (RNG state replayed): its clone's ctx
+    feeds PythonOpGrad, and the gradients equal torch eager's from the same seed, so the
+    clone drew forward's mask."""
+    torch.manual_seed(0)
+    module = _CausalBlock()
+    x = torch.randn(2, 6, 16)
+    forward = export(module, (x,), fused_attention=True)
+    result = ortpass.pipeline(
+        "pythonop-shape-inference,build-training-graph,fix-dropout-seed(min_elements=0),"
+        "recompute(plans='Transpose+MatMul+Add+Split+Reshape+Transpose+Reshape+Transpose+Reshape+Transpose+PythonOp+:1:-1',"
+        " min_elements=0)"
+    )(forward)
+    pythonops = [n for n in result.model.graph if n.op_type == "PythonOp"]
+    assert len(pythonops) == 2 and pythonops[0].attributes["training_mode"].as_int() == 0
+    step = _step_on_ort(result.model, {"input_0": x}, seed=5)
+    torch.manual_seed(5)
     loss = module(x)
     loss.backward()
     assert step.loss == pytest.approx(loss.item(), rel=1e-6)

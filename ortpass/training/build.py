@@ -383,6 +383,8 @@ def _infer_forward_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
         return static
     from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
+    _give_ort_the_pythonop_inferers(proto)
+
     # Driven step by step rather than through SymbolicShapeInference.infer_shapes: when
     # some value stays unknown (NonZero's data-dependent length, say) that wrapper saves
     # the model as sym_shape_infer_temp.onnx in the current directory and raises, dropping
@@ -400,6 +402,52 @@ def _infer_forward_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
     if not complete:
         logger.debug("symbolic shape inference left some values unknown; keeping what it inferred")
     return inference.out_mp_
+
+
+def _give_ort_the_pythonop_inferers(proto: onnx.ModelProto) -> None:
+    """Register with ORT's in-process registry the ortpass shape inferer of every PythonOp
+    ``func_name`` in ``proto`` (``ortpass.export.register_shape_inferer``).
+
+    Without them ORT's symbolic inference gives a PythonOp's outputs fresh dims, and every
+    size after them (a fused attention's output, its projections) becomes an expression
+    the recompute analysis cannot bind to the export's dims.
+    """
+    from onnxruntime.capi import _pybind_state as C
+
+    from ortpass.export.shape_inference import get_shape_inferer
+
+    for node in proto.graph.node:
+        if node.op_type == "PythonOp" and node.domain == "com.microsoft":
+            func_name = next((a.s.decode() for a in node.attribute if a.name == "func_name"), "")
+            if func_name and get_shape_inferer(func_name) is not None:
+                C.register_shape_inference_function(func_name, _OrtShapeInferer(func_name))
+
+
+class _OrtShapeInferer:
+    """An ortpass shape inferer called the way ORT's symbolic inference calls one:
+    ``(NodeProto, [[int | str | None]], [onnx dtype]) -> ([[int | str | None]], [onnx dtype])``."""
+
+    def __init__(self, func_name: str) -> None:
+        self.func_name = func_name
+
+    def __call__(self, node: onnx.NodeProto, input_shapes, input_dtypes):
+        from ortpass.export.shape_inference import get_shape_inferer
+
+        ir_node = ir.Node(
+            node.domain, node.op_type, [ir.Value(name=name) for name in node.input],
+            [ir.serde.deserialize_attribute(a) for a in node.attribute], num_outputs=len(node.output), name=node.name,
+        )
+        shapes = [None if s is None else ir.Shape([d if isinstance(d, (int, str)) else None for d in s]) for s in input_shapes]
+        dtypes = [ir.DataType(d) if d else None for d in input_dtypes]
+        out_shapes, out_dtypes = get_shape_inferer(self.func_name)(ir_node, shapes, dtypes)
+        return [_plain_dims(s) for s in out_shapes], [int(d) if d is not None else 0 for d in out_dtypes]
+
+
+def _plain_dims(shape) -> list[int | str | None] | None:
+    if shape is None:
+        return None
+    dims = shape.dims if isinstance(shape, ir.Shape) else shape
+    return [d if isinstance(d, int) or d is None else (str(d) if not isinstance(d, ir.SymbolicDim) else d.value) for d in dims]
 
 
 def _infer_static_shapes(proto: onnx.ModelProto) -> onnx.ModelProto | None:
