@@ -168,11 +168,26 @@ class TrainingSession:
         except Exception as exc:
             raise OrtpassError(f"the training step failed on ONNX Runtime: {_root_cause(exc)}") from exc
         n_grads = len(self.info.gradients)
+        gradients = dict(zip(self.info.gradients, values[1 : 1 + n_grads]))
+        _check_gradient_shapes(gradients, feeds)
         return StepResult(
             loss=float(values[0]),
-            gradients=dict(zip(self.info.gradients, values[1 : 1 + n_grads])),
+            gradients=gradients,
             extras=dict(zip(self.extra_outputs, values[1 + n_grads :])),
         )
+
+
+def _check_gradient_shapes(gradients: Mapping[str, np.ndarray], params: Mapping[str, np.ndarray]) -> None:
+    """Refuse a step whose gradient for a parameter has another shape than the parameter
+    (ORT 1.19.2's gradient builder can leave a broadcast unreduced; the build repairs the
+    case it knows and refuses static mismatches, this catches what only shows at run time)."""
+    for name, gradient in gradients.items():
+        param = params.get(name)
+        if param is not None and gradient.shape != param.shape:
+            raise OrtpassError(
+                f"the gradient of parameter {name!r} has shape {list(gradient.shape)}, not the parameter's "
+                f"{list(param.shape)}: the training graph got a broadcast wrong"
+            )
 
 
 def disabled_optimizers(model: ir.Model) -> list[str]:

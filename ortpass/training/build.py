@@ -10,6 +10,9 @@ adds around it:
 - parameters made graph inputs, as the builder requires (their values stay initializers,
   so the model is self-contained and ORT treats them as overridable defaults);
 - the IR version clamped to what ORT 1.19.2 loads;
+- the gradient of a broadcast ``Where`` input reduced to the input's shape, which ORT
+  1.19.2's builder forgets (:func:`_reduce_broadcast_where_gradients`), and every
+  parameter's gradient checked to have the parameter's shape;
 - an explicit forward/backward partition recorded in the result
   (:mod:`ortpass.analysis.partition`), and shapes on the forward values analyses read.
 """
@@ -26,6 +29,7 @@ import onnx_ir as ir
 from ortpass.analysis.partition import SIDE_KEY, TrainingInfo, set_training_info, tag
 from ortpass.errors import TrainingGraphError
 from ortpass.metadata import get_export_info
+from ortpass.ort_schemas import register_ort_schemas
 
 __all__ = ["build_training_graph", "check_forward_model", "clamp_for_ort", "MAX_ORT_OPSET", "MAX_ORT_IR_VERSION"]
 
@@ -34,6 +38,9 @@ logger = logging.getLogger(__name__)
 # What ORT 1.19.2 loads (measured; docs/design/ort-facts.md).
 MAX_ORT_OPSET = 21
 MAX_ORT_IR_VERSION = 10
+
+# onnx's shape inference then gives SimplifiedLayerNormalization's InvStdDev a shape.
+register_ort_schemas()
 
 _FLOAT_TYPES = {ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE}
 
@@ -88,9 +95,12 @@ def build_training_graph(
     _make_params_inputs(proto, params, loss)
     training_proto = _run_gradient_builder(proto, loss, params)
     _name_unread_pythonop_grad_outputs(training_proto)
+    _reduce_broadcast_where_gradients(training_proto, forward_names)
     clamp_for_ort(training_proto)
     training_proto = _infer_shapes(training_proto)
+    _shape_concat_training_lengths(training_proto)
     gradients = _check_gradient_outputs(training_proto, params)
+    _check_gradient_shapes(training_proto, gradients)
     _order_outputs(training_proto, [loss, *gradients.values()])
 
     training = ir.from_proto(training_proto)
@@ -376,9 +386,9 @@ def _infer_forward_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
     gradient builder keeps these value infos in the training graph.
 
     Where onnx's inference leaves every value fully static there is no dim to name, and
-    its result is used instead (see :func:`_infer_static_shapes`).
+    its result is used instead (see :func:`_infer_known_shapes`).
     """
-    static = _infer_static_shapes(proto)
+    static = _infer_known_shapes(proto)
     if static is not None:
         return static
     from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
@@ -450,7 +460,7 @@ def _plain_dims(shape) -> list[int | str | None] | None:
     return [d if isinstance(d, int) or d is None else (str(d) if not isinstance(d, ir.SymbolicDim) else d.value) for d in dims]
 
 
-def _infer_static_shapes(proto: onnx.ModelProto) -> onnx.ModelProto | None:
+def _infer_known_shapes(proto: onnx.ModelProto) -> onnx.ModelProto | None:
     """onnx's own shape inference (C++, with data propagation, so that a Reshape's target
     computed from Shape is known) if it gives every node output a tensor shape of known
     ints; None otherwise, and for graphs with subgraphs, whose values it does not list.
@@ -494,6 +504,22 @@ def _infer_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
         return proto
 
 
+def _shape_concat_training_lengths(proto: onnx.ModelProto) -> None:
+    """Give ``com.microsoft::ConcatTraining``'s second output (the length of each input
+    along the axis, int64, one per input: ORT's schema) its shape, which onnx's inference
+    cannot (it knows no com.microsoft op).  ORT's fusions turn every Concat into one; the
+    recompute analysis skipped each candidate that would stash or clone such a value
+    ("the size of 'per_input_length_token_8' is unknown")."""
+    known = {info.name for info in (*proto.graph.value_info, *proto.graph.output, *proto.graph.input)}
+    for node in proto.graph.node:
+        if node.domain == "com.microsoft" and node.op_type == "ConcatTraining" and len(node.output) > 1:
+            lengths = node.output[1]
+            if lengths and lengths not in known:
+                proto.graph.value_info.append(
+                    onnx.helper.make_tensor_value_info(lengths, onnx.TensorProto.INT64, [len(node.input)])
+                )
+
+
 def _check_gradient_outputs(proto: onnx.ModelProto, params: Sequence[str]) -> dict[str, str]:
     outputs = {o.name for o in proto.graph.output}
     gradients = {name: f"{name}_grad" for name in params}
@@ -503,6 +529,147 @@ def _check_gradient_outputs(proto: onnx.ModelProto, params: Sequence[str]) -> di
             f"the gradient builder produced no gradient for {missing}: the loss does not depend on them"
         )
     return gradients
+
+
+def _known_shapes(proto: onnx.ModelProto) -> dict[str, list[int | str | None]]:
+    """Known shapes by value name: each dim an int, a dim param, or None (unknown)."""
+    shapes: dict[str, list[int | str | None]] = {}
+    for info in (*proto.graph.input, *proto.graph.value_info, *proto.graph.output):
+        tensor = info.type.tensor_type
+        if info.type.HasField("tensor_type") and tensor.HasField("shape"):
+            shapes[info.name] = [
+                d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tensor.shape.dim
+            ]
+    for init in proto.graph.initializer:
+        shapes[init.name] = list(init.dims)
+    return shapes
+
+
+def _broadcast_axes(source: list, result: list) -> list[int] | None:
+    """The axes of ``result`` along which ``source`` was broadcast (numpy rules): the
+    leading axes ``source`` lacks and those where it has 1 and ``result`` has not; None
+    when a dim needed to tell is unknown."""
+    lead = len(result) - len(source)
+    if lead < 0:
+        return None
+    axes = list(range(lead))
+    for j, dim in enumerate(source):
+        out = result[lead + j]
+        if dim is None or out is None:
+            return None
+        if dim == 1 and out != 1:
+            axes.append(lead + j)
+    return axes
+
+
+def _reduce_broadcast_where_gradients(proto: onnx.ModelProto, forward_names: set[str]) -> int:
+    """Reduce the gradient of each broadcast input of a forward ``Where`` to that input's
+    shape; returns how many gradients were repaired.
+
+    ORT 1.19.2 differentiates ``Where(c, x, y)`` as ``Where(c, dY, 0)`` for ``x`` and
+    ``Where(c, 0, dY)`` for ``y``, in the output's shape, without the reduction its other
+    broadcasting ops get (measured: a (1,4,8,8) parameter read by a Where with a (2,4,8,8)
+    output got a (2,4,8,8) gradient, silently; T5's relative-attention bias made the step
+    fail at the Squeeze its Unsqueeze's gradient applies).  The repair sums over the
+    broadcast axes (``ReduceSum(keepdims=1)``) and drops the leading axes the input lacks
+    (``Squeeze``), as numpy's broadcasting rule dictates for a gradient.  The builder's
+    nodes for Where ``W`` are named ``<W>_Grad/...``; its Where for input ``i`` reads
+    ``dY`` at position ``i``.
+    """
+    shapes = _known_shapes(proto)
+    opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), MAX_ORT_OPSET)
+    forwards = {
+        n.name: n
+        for n in proto.graph.node
+        if n.op_type == "Where" and n.domain in ("", "ai.onnx") and n.name in forward_names
+    }
+    repaired = 0
+    position = 0
+    while position < len(proto.graph.node):
+        node = proto.graph.node[position]
+        position += 1
+        owner = forwards.get(node.name.split("_Grad/", 1)[0]) if "_Grad/" in node.name else None
+        if owner is None or node.op_type != "Where" or len(node.input) != 3 or node.input[0] != owner.input[0]:
+            continue
+        index = _where_gradient_input(node, shapes)
+        if index is None:
+            continue
+        source, result = shapes.get(owner.input[index]), shapes.get(owner.output[0])
+        axes = None if source is None or result is None else _broadcast_axes(source, result)
+        if axes is None:
+            logger.warning(
+                "cannot tell whether Where %r broadcast its input %r (shapes unknown); its gradient is left as "
+                "ONNX Runtime built it", owner.name, owner.input[index]
+            )
+            continue
+        if not axes:
+            continue
+        new_nodes = _reduce_to_input_shape(proto, node, axes, len(result) - len(source), opset)
+        for offset, new in enumerate(new_nodes):
+            proto.graph.node.insert(position + offset, new)
+        position += len(new_nodes)
+        repaired += 1
+        logger.info(
+            "reduced the gradient of Where %r's input %r over broadcast axes %s (ONNX Runtime's builder left it "
+            "in the output's shape)", owner.name, owner.input[index], axes
+        )
+    return repaired
+
+
+def _where_gradient_input(node: onnx.NodeProto, shapes: dict[str, list]) -> int | None:
+    """Which input of the forward Where this gradient Where is for: the position of dY;
+    the other branch is the builder's zero (a one-element ``ZeroConstant*`` initializer)."""
+
+    def is_zero(name: str) -> bool:
+        return name.startswith("ZeroConstant") and shapes.get(name) in ([], [1])
+
+    if is_zero(node.input[2]) and not is_zero(node.input[1]):
+        return 1
+    if is_zero(node.input[1]) and not is_zero(node.input[2]):
+        return 2
+    return None
+
+
+def _reduce_to_input_shape(
+    proto: onnx.ModelProto, node: onnx.NodeProto, axes: list[int], lead: int, opset: int
+) -> list[onnx.NodeProto]:
+    """Rename ``node``'s output and compute the original name from it, reduced over
+    ``axes`` and without its first ``lead`` axes."""
+    grad = node.output[0]
+    unreduced = f"{grad}_ortpass_unreduced"
+    node.output[0] = unreduced
+    stem = f"{node.name}/ortpass_broadcast"
+    reduced = f"{grad}_ortpass_reduced" if lead else grad
+    nodes = [_axes_node("ReduceSum", unreduced, reduced, axes, f"{stem}/ReduceSum", proto, opset, keepdims=1)]
+    if lead:
+        nodes.append(_axes_node("Squeeze", reduced, grad, list(range(lead)), f"{stem}/Squeeze", proto, opset))
+    return nodes
+
+
+def _axes_node(
+    op: str, x: str, y: str, axes: list[int], name: str, proto: onnx.ModelProto, opset: int, **attrs: int
+) -> onnx.NodeProto:
+    """``op`` over ``axes``: an int64 initializer input from opset 13, an attribute before."""
+    if opset < 13:
+        return onnx.helper.make_node(op, [x], [y], name=name, axes=axes, **attrs)
+    axes_name = f"{name}/axes"
+    proto.graph.initializer.append(onnx.helper.make_tensor(axes_name, onnx.TensorProto.INT64, [len(axes)], axes))
+    return onnx.helper.make_node(op, [x, axes_name], [y], name=name, **attrs)
+
+
+def _check_gradient_shapes(proto: onnx.ModelProto, gradients: dict[str, str]) -> None:
+    """Refuse, naming the parameter, a gradient whose static shape is not its parameter's
+    (the shapes ORT's builder and onnx's inference give the gradient outputs)."""
+    shapes = _known_shapes(proto)
+    for param, grad in gradients.items():
+        want, got = shapes.get(param), shapes.get(grad)
+        if want is None or got is None or any(not isinstance(d, int) for d in (*want, *got)):
+            continue
+        if list(want) != list(got):
+            raise TrainingGraphError(
+                f"the gradient of parameter {param!r} has shape {list(got)}, not the parameter's {list(want)}: "
+                "ONNX Runtime's gradient builder got a broadcast wrong"
+            )
 
 
 def _order_outputs(proto: onnx.ModelProto, first: Sequence[str]) -> None:
