@@ -386,9 +386,9 @@ def _infer_forward_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
     gradient builder keeps these value infos in the training graph.
 
     Where onnx's inference leaves every value fully static there is no dim to name, and
-    its result is used instead (see :func:`_infer_known_shapes`).
+    its result is used instead (see :func:`_infer_static_shapes`).
     """
-    static = _infer_known_shapes(proto)
+    static = _infer_static_shapes(proto)
     if static is not None:
         return static
     from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
@@ -414,6 +414,7 @@ def _infer_forward_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
     return inference.out_mp_
 
 
+<<<<<<< HEAD
 def _give_ort_the_pythonop_inferers(proto: onnx.ModelProto) -> None:
     """Register with ORT's in-process registry the ortpass shape inferer of every PythonOp
     ``func_name`` in ``proto`` (``ortpass.export.register_shape_inferer``).
@@ -460,7 +461,7 @@ def _plain_dims(shape) -> list[int | str | None] | None:
     return [d if isinstance(d, int) or d is None else (str(d) if not isinstance(d, ir.SymbolicDim) else d.value) for d in dims]
 
 
-def _infer_known_shapes(proto: onnx.ModelProto) -> onnx.ModelProto | None:
+def _infer_static_shapes(proto: onnx.ModelProto) -> onnx.ModelProto | None:
     """onnx's own shape inference (C++, with data propagation, so that a Reshape's target
     computed from Shape is known) if it gives every node output a tensor shape of known
     ints; None otherwise, and for graphs with subgraphs, whose values it does not list.
