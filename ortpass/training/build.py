@@ -414,7 +414,6 @@ def _infer_forward_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
     return inference.out_mp_
 
 
-<<<<<<< HEAD
 def _give_ort_the_pythonop_inferers(proto: onnx.ModelProto) -> None:
     """Register with ORT's in-process registry the ortpass shape inferer of every PythonOp
     ``func_name`` in ``proto`` (``ortpass.export.register_shape_inferer``).
