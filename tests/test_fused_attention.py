@@ -181,9 +181,10 @@ def test_gpt2_with_attention_dropout_matches_torch_with_recompute(gpt2):
     result = ortpass.pipeline(PIPELINE)(forward)
     # The gradient build hands the attention's shape inferer to ORT's symbolic inference:
     # a static export stays static through the PythonOps, so savings are bytes, not symbols.
-    symbolic = {str(d) for n in result.model.graph for o in n.outputs if o.shape for d in o.shape.dims if not isinstance(d, int)}
-    assert symbolic == set()
-    assert result.report["recompute"].stats["counts"]["occurrences recomputed"] >= 2
+    named = {d.value for n in result.model.graph for o in n.outputs if o.shape for d in o.shape.dims if not isinstance(d, int)}
+    assert named <= {None}  # only the RNG states' lengths are unknown, and they are not symbols
+    pythonops = [n for n in result.model.graph if n.op_type == "PythonOp"]
+    assert len(pythonops) == 4  # each attention and its recompute clone (the mask's And is recomputable)
 
     step = _step_on_ort(result.model, batch, seed=11)
     torch.manual_seed(11)
