@@ -152,8 +152,7 @@ def child_prepare(work: Path, layers: int) -> dict:
     rng = np.random.default_rng(0)
     ids = rng.integers(0, VOCAB, (BATCH, SEQ))
     labels = rng.integers(0, VOCAB, (BATCH, SEQ))
-    np.save(work / "input_ids.npy", ids)
-    np.save(work / "labels.npy", labels)
+    np.savez(work / "batch.npz", input_ids=ids, labels=labels)
     torch.save(model.state_dict(), work / "weights.pt")
 
     from ortpass.runtime.session import DISABLED_ORT_OPTIMIZERS
@@ -260,17 +259,28 @@ def child_ort_plans(work: Path) -> dict:
     return {"plans": plans, "torch_imported": "torch" in sys.modules}
 
 
-def child_ort(work: Path, key: str, steps: int) -> dict:
+def child_ort(work: Path, key: str, steps: int, bridge: bool = False) -> dict:
+    """One step of ``<key>.onnx`` in a plain session; ``bridge``: the graph holds PythonOps,
+    so ortpass's torch bridge (and torch) are loaded before the session is made."""
     import numpy as np
 
     C, InferenceSession = _load_ort()
+    if bridge:
+        import onnx_ir as ir
+
+        from ortpass.passes.recompute_pythonop import register_rng_replay_functions
+        from ortpass.runtime import bridge as torch_bridge
+
+        model = ir.load(work / f"{key}.onnx")
+        register_rng_replay_functions(model)  # the recompute clones' RNG-replaying Functions
+        torch_bridge.prepare(model)
     options = _ort_training_options(C)
     optimized = work / f"{key}.optimized.onnx"
     options.optimized_model_filepath = str(optimized)
     session = InferenceSession(
         str(work / f"{key}.onnx"), options, providers=["CPUExecutionProvider"], disabled_optimizers=ORT_DISABLED_OPTIMIZERS
     )
-    feeds = {"input_ids": np.load(work / "input_ids.npy"), "labels": np.load(work / "labels.npy")}
+    feeds = dict(np.load(work / "batch.npz"))
     fetch = [o.name for o in session.get_outputs()]
     losses = []
 
@@ -298,7 +308,7 @@ def child_ort_cpp(work: Path, steps: int, recompute: bool = True) -> dict:
     options.optimized_model_filepath = str(optimized)
     session, agent, feeds, device = _ort_module_agent(C, InferenceSession, work, options)
     params = np.load(work / "ort_cpp_params.npz")
-    batch = {"input_ids": np.load(work / "input_ids.npy"), "labels": np.load(work / "labels.npy")}
+    batch = dict(np.load(work / "batch.npz"))
     # ortvalue_from_numpy does not copy: these arrays must outlive the steps.
     arrays = [batch[n] for n in feeds["user_inputs"]] + [params[n] for n in feeds["params"]]
     loss_grad = np.ones((), np.float32)
@@ -341,8 +351,8 @@ def child_torch(work: Path, key: str, layers: int, steps: int) -> dict:
     model = GPTDecoder(VOCAB, HIDDEN, HEADS, layers, SEQ, DROPOUT, checkpoint=key == "torch_ckpt")
     model.load_state_dict(torch.load(work / "weights.pt"))
     model.train()
-    ids = torch.from_numpy(np.load(work / "input_ids.npy"))
-    labels = torch.from_numpy(np.load(work / "labels.npy"))
+    batch = np.load(work / "batch.npz")
+    ids, labels = torch.from_numpy(batch["input_ids"]), torch.from_numpy(batch["labels"])
     losses = []
 
     def step():
@@ -360,10 +370,11 @@ def child_torch(work: Path, key: str, layers: int, steps: int) -> dict:
 # -- the parent (standard library only) -----------------------------------------------------------
 
 
-def _run_child(*args: str) -> dict:
+def _run_child(*args: str, script: str = __file__) -> dict:
+    """Run ``script --child ARGS`` in a fresh process; its last stdout line is JSON."""
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", PYTHONWARNINGS="ignore")
     proc = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), "--child", *args],
+        [sys.executable, str(Path(script).resolve()), "--child", *args],
         env=env,
         capture_output=True,
         text=True,

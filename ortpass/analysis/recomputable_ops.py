@@ -24,6 +24,8 @@ Differences from ORT 1.19.2's table, on purpose:
   it (ORT's table needs no Erf because ORT fuses that pattern into a Gelu op first);
 - IsNaN is accepted: element-wise and cheap, and torch's SDPA export guards every
   attention softmax with ``Where(IsNaN(p), 0, p)``;
+- And, Or, Not, Greater, GreaterOrEqual and LessOrEqual are accepted: element-wise on
+  bools and cheap, and the attention masks transformers builds are made of them;
 - ``com.microsoft::PythonOp`` is recomputable only when its ``func_name`` is registered with
   :func:`register_recomputable_function` (FlashAttention-like functions are registered
   here; ORT hard-codes the same list).  Its clone must replay the forward's randomness,
@@ -39,6 +41,8 @@ from typing import Iterable, Mapping
 
 import onnx
 import onnx_ir as ir
+
+from ortpass.conventions import FUSED_ATTENTION, FUSED_MASKED_ATTENTION
 
 __all__ = [
     "ProbeLevel",
@@ -305,6 +309,15 @@ def _register_defaults() -> None:
         # Where(IsNaN(p), 0, p); without IsNaN the bool mask and the float probabilities it
         # reads were both stashed in every attention layer.  Element-wise and cheap.
         ("IsNaN", (9, 13, 20), basic, ()),
+        # Not in ORT's table: transformers builds its attention masks with And/Or/Not of
+        # comparisons; without them a fused attention PythonOp reading the mask can never
+        # be recomputed.  Element-wise and cheap, on bools.
+        ("And", (1, 7), basic, ()),
+        ("Or", (1, 7), basic, ()),
+        ("Not", (1,), basic, ()),
+        ("Greater", (1, 7, 9, 13), basic, ()),
+        ("GreaterOrEqual", (12, 16), basic, ()),
+        ("LessOrEqual", (12, 16), basic, ()),
         ("Less", (1, 7, 9, 13), basic, ()),
         ("Expand", (8, 13), basic, (1,)),  # the shape
         ("Gather", (1, 11, 13), basic, (1,)),  # the indices
@@ -356,3 +369,10 @@ def _register_defaults() -> None:
 
 
 _register_defaults()
+
+
+# ortpass's own attention Functions (ortpass.export.fused_attention): forward is one fused
+# attention kernel, cheap next to the seq x seq probabilities it saves ORT from keeping, and
+# their dropout draws from torch's generator, which the recompute clone replays.
+for _name in (FUSED_ATTENTION, FUSED_MASKED_ATTENTION):
+    register_recomputable_function(_name, attention=True)

@@ -20,6 +20,8 @@ from typing import Callable, Sequence
 
 import onnx_ir as ir
 
+from ortpass.conventions import FUSED_ATTENTION, FUSED_MASKED_ATTENTION
+
 __all__ = ["ShapeInferer", "get_shape_inferer", "register_shape_inferer", "unregister_shape_inferer"]
 
 logger = logging.getLogger(__name__)
@@ -73,3 +75,15 @@ def unregister_shape_inferer(function: type | str) -> None:
 def get_shape_inferer(function: type | str) -> ShapeInferer | None:
     """The inferer registered for ``function``, or None."""
     return _inferers.get(_func_name(function))
+
+
+def _attention_shapes(node, input_shapes, input_dtypes):
+    """SDPA's output: the query's shape with the value's last dim, in the query's dtype."""
+    query, value = input_shapes[0], input_shapes[2]
+    if query is None or value is None:
+        return [None], [input_dtypes[0]]
+    return [[*query.dims[:-1], value.dims[-1]]], [input_dtypes[0]]
+
+
+for _name in (FUSED_ATTENTION, FUSED_MASKED_ATTENTION):
+    register_shape_inferer(_name)(_attention_shapes)

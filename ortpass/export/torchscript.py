@@ -42,6 +42,7 @@ def export(
     opset: int = 17,
     dynamic_axes: Mapping[str, Mapping[int, str]] | None = None,
     density_threshold: float | None = 90.0,
+    fused_attention: bool = False,
 ) -> ir.Model:
     """Export ``module(*args)`` (whose first output is the scalar loss) for training.
 
@@ -56,6 +57,9 @@ def export(
         density_threshold: label density (percent) under which cross-entropy labels get
             the padding flag for ``InsertGatherBeforeSceLossPass``; ``None`` disables
             the probe.
+        fused_attention: export every ``torch.nn.functional.scaled_dot_product_attention``
+            call as one recomputable PythonOp running torch's fused kernel
+            (:mod:`ortpass.export.fused_attention`) instead of its decomposition.
 
     Returns:
         An onnx_ir model: parameters are initializers named by ``state_dict`` names, the
@@ -76,7 +80,7 @@ def export(
         raise ExportError(f"{len(input_names)} input_names for {len(args)} arguments")
 
     proto, density_records = _run_torchscript_export(
-        module, args, list(input_names), loss_name, opset, dynamic_axes, density_threshold
+        module, args, list(input_names), loss_name, opset, dynamic_axes, density_threshold, fused_attention
     )
     _check_loss_output(proto, loss_name)
     model = ir.from_proto(proto)
@@ -97,7 +101,7 @@ def export(
     return model
 
 
-def _run_torchscript_export(module, args, input_names, loss_name, opset, dynamic_axes, density_threshold):
+def _run_torchscript_export(module, args, input_names, loss_name, opset, dynamic_axes, density_threshold, fused_attention):
     """Run torch's exporter with PythonOp export and the density probe hooked in.
 
     Returns the model proto and the probe's records (what it measured per loss call).
@@ -115,6 +119,10 @@ def _run_torchscript_export(module, args, input_names, loss_name, opset, dynamic
         with contextlib.ExitStack() as hooks, warnings.catch_warnings():
             hooks.enter_context(pythonop_export_context())
             hooks.enter_context(symbolics_context(opset))
+            if fused_attention:
+                from ortpass.export.fused_attention import fused_attention_export
+
+                hooks.enter_context(fused_attention_export())
             if density_threshold is not None:
                 probe = hooks.enter_context(density_probe(module, threshold=density_threshold))
             # The TorchScript exporter is deprecated in favour of dynamo; it is the path that

@@ -27,6 +27,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from ortpass.conventions import DENSITY_FLAG
 from ortpass.export.shape_inference import register_shape_inferer
 from ortpass.passes.base import CREATED_BY_KEY, OrtPass
 from ortpass.registry import register_pass
@@ -45,7 +46,7 @@ MS_DOMAIN = "com.microsoft"
 
 #: func_name of the flag ``ortpass.export.density`` exports (module.QualName of the class).
 #: Spelled out here so that this pass does not import torch.
-FLAG_FUNC_NAME = "ortpass.export.density.FlagAndPrintDensity"
+FLAG_FUNC_NAME = DENSITY_FLAG
 #: Flags this pass recognizes: ours, and the one ORTModule exported.
 FLAG_FUNC_NAMES = frozenset({FLAG_FUNC_NAME, "onnxruntime.training.ortmodule._runtime_inspector.FlagAndPrintDensity"})
 

@@ -48,6 +48,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import dataclasses
+import importlib
 import itertools
 import logging
 import threading
@@ -56,6 +57,7 @@ from typing import Any, Iterable
 import onnx_ir as ir
 import torch
 
+from ortpass.conventions import BUILTIN_FUNCTIONS
 from ortpass.errors import UnregisteredFunctionError
 from ortpass.validate import REQUIRED_PYTHONOP_ATTRIBUTES, refuse_pythonop_missing_attributes
 
@@ -82,6 +84,7 @@ _given_to_ort: set[str] = set()
 _contexts: dict[int, "_CallRecord"] = {}
 _handles = itertools.count(1)
 _runners_installed = False
+_builtins: dict[str, Any] | None = None
 _last_error: BaseException | None = None
 
 
@@ -121,12 +124,24 @@ def _key(function: Any) -> str:
 
 def registered_functions() -> dict[str, Any]:
     """Functions the bridge may run: explicit registrations over those exported here, over
-    ortpass's own (the density flag, which a model keeps when the gather pass did not run
-    or ``ORTPASS_PRINT_INPUT_DENSITY=1`` kept it, in whatever process runs it)."""
-    from ortpass.export.density import FlagAndPrintDensity
-    from ortpass.export.pythonop import exported_functions, qualified_name
+    ortpass's own (:data:`ortpass.conventions.BUILTIN_FUNCTIONS`: the density flag, which a
+    model keeps when the gather pass did not run, and the fused attention), in whatever
+    process runs the model."""
+    from ortpass.export.pythonop import exported_functions
 
-    return {qualified_name(FlagAndPrintDensity): FlagAndPrintDensity, **exported_functions(), **_functions}
+    return {**_builtin_functions(), **exported_functions(), **_functions}
+
+
+def _builtin_functions() -> dict[str, Any]:
+    """ortpass's own Functions by func_name, imported from ortpass's modules on first use
+    (ortpass's code, so no user registration is needed to run a model that names them)."""
+    global _builtins
+    if _builtins is None:
+        _builtins = {}
+        for func_name, where in BUILTIN_FUNCTIONS.items():
+            module, _, qualname = where.partition(":")
+            _builtins[func_name] = getattr(importlib.import_module(module), qualname)
+    return _builtins
 
 
 def pythonop_func_names(model: ir.Model) -> dict[str, str]:

@@ -102,6 +102,7 @@ def build_training_graph(
     forward_names = _ensure_unique_node_names(proto)
     _make_params_inputs(proto, params, loss)
     training_proto = _run_gradient_builder(proto, loss, params)
+    _name_unread_pythonop_grad_outputs(training_proto)
     _reduce_broadcast_gradients(training_proto, forward_names)
     clamp_for_ort(training_proto)
     training_proto = _infer_shapes(training_proto)
@@ -399,6 +400,25 @@ def _run_gradient_builder(proto: onnx.ModelProto, loss: str, params: Sequence[st
         raise TrainingGraphError(f"ONNX Runtime's gradient builder failed: {_ort_message(exc)}") from exc
 
 
+def _name_unread_pythonop_grad_outputs(proto: onnx.ModelProto) -> None:
+    """Give every PythonOpGrad one named output per ``output_tensor_types`` entry.
+
+    ORT's builder leaves the gradient of a non-differentiable input (an attention mask)
+    unnamed.  An unnamed *trailing* output is dropped when the model is serialized, and
+    ORT 1.19.2 then refuses its own node: "PythonOpGrad's output list and
+    "output_tensor_types" attribute should have the same length".
+    """
+    for node in proto.graph.node:
+        if node.op_type != "PythonOpGrad" or node.domain != "com.microsoft":
+            continue
+        types = next((list(a.ints) for a in node.attribute if a.name == "output_tensor_types"), [])
+        while len(node.output) < len(types):
+            node.output.append("")
+        for index, name in enumerate(node.output):
+            if not name:
+                node.output[index] = f"{node.name}_unread_output_{index}"
+
+
 _ORT_ERROR = re.compile(r"\[ONNXRuntimeError\] : \d+ : (\w+) : (.*)", re.DOTALL)
 
 
@@ -425,6 +445,8 @@ def _infer_forward_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
     if static is not None:
         return static
     from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+    _give_ort_the_pythonop_inferers(proto)
 
     # Driven step by step rather than through SymbolicShapeInference.infer_shapes: when
     # some value stays unknown (NonZero's data-dependent length, say) that wrapper saves
@@ -493,6 +515,52 @@ def _dim_renames(given: Sequence[onnx.ValueInfoProto], inferred: Sequence[onnx.V
         for after, befores in pairs.items()
         if len(befores) == 1 and after not in used and not next(iter(befores)).startswith("unk__")
     }
+
+
+def _give_ort_the_pythonop_inferers(proto: onnx.ModelProto) -> None:
+    """Register with ORT's in-process registry the ortpass shape inferer of every PythonOp
+    ``func_name`` in ``proto`` (``ortpass.export.register_shape_inferer``).
+
+    Without them ORT's symbolic inference gives a PythonOp's outputs fresh dims, and every
+    size after them (a fused attention's output, its projections) becomes an expression
+    the recompute analysis cannot bind to the export's dims.
+    """
+    from onnxruntime.capi import _pybind_state as C
+
+    from ortpass.export.shape_inference import get_shape_inferer
+
+    for node in proto.graph.node:
+        if node.op_type == "PythonOp" and node.domain == "com.microsoft":
+            func_name = next((a.s.decode() for a in node.attribute if a.name == "func_name"), "")
+            if func_name and get_shape_inferer(func_name) is not None:
+                C.register_shape_inference_function(func_name, _OrtShapeInferer(func_name))
+
+
+class _OrtShapeInferer:
+    """An ortpass shape inferer called the way ORT's symbolic inference calls one:
+    ``(NodeProto, [[int | str | None]], [onnx dtype]) -> ([[int | str | None]], [onnx dtype])``."""
+
+    def __init__(self, func_name: str) -> None:
+        self.func_name = func_name
+
+    def __call__(self, node: onnx.NodeProto, input_shapes, input_dtypes):
+        from ortpass.export.shape_inference import get_shape_inferer
+
+        ir_node = ir.Node(
+            node.domain, node.op_type, [ir.Value(name=name) for name in node.input],
+            [ir.serde.deserialize_attribute(a) for a in node.attribute], num_outputs=len(node.output), name=node.name,
+        )
+        shapes = [None if s is None else ir.Shape([d if isinstance(d, (int, str)) else None for d in s]) for s in input_shapes]
+        dtypes = [ir.DataType(d) if d else None for d in input_dtypes]
+        out_shapes, out_dtypes = get_shape_inferer(self.func_name)(ir_node, shapes, dtypes)
+        return [_plain_dims(s) for s in out_shapes], [int(d) if d is not None else 0 for d in out_dtypes]
+
+
+def _plain_dims(shape) -> list[int | str | None] | None:
+    if shape is None:
+        return None
+    dims = shape.dims if isinstance(shape, ir.Shape) else shape
+    return [d if isinstance(d, int) or d is None else (str(d) if not isinstance(d, ir.SymbolicDim) else d.value) for d in dims]
 
 
 def _infer_static_shapes(proto: onnx.ModelProto) -> onnx.ModelProto | None:

@@ -1,0 +1,259 @@
+"""Step peak memory and step time on Hugging Face GPT-2 and LLaMA: ortpass's default
+pipeline, with and without fused attention, against ORT without recompute, ORT 1.19.2's
+C++ memory optimizer at level 1, torch eager, and torch eager with transformers'
+``gradient_checkpointing_enable()``.
+
+Models: ``GPT2LMHeadModel`` and ``LlamaForCausalLM`` from configs in code (no hub): 4
+layers, hidden 256, 4 heads, vocab 2048, batch 8, seq 512 (``--seq 2048`` for the long
+sequence, where attention dominates), ``attention_mask`` of ones, the configs' own dropout
+(GPT-2: 0.1 on embeddings, residuals and attention; LLaMA: none); LLaMA's MLP is 1024 wide.
+Exported with static shapes.
+
+Memory is measured as ``recompute_memory.py`` measures it (its helpers are used here): a
+fresh process per configuration started from a parent that imports only the standard
+library, glibc ``MALLOC_MMAP_THRESHOLD_=65536``, ORT's CPU arena off, step peak = highest
+RSS during a step above the RSS after setup and a warm-up step.  The ORT children import no
+torch, except the fused-attention one, whose PythonOps run torch's kernel through ortpass's
+bridge (its RSS after setup includes torch; the step peak does not).
+
+Usage: ``python benchmarks/hf_memory.py [--models gpt2 llama] [--seq 512] [--steps 6]``.
+Writes ``hf_memory[_seq<N>].json`` and ``.md`` next to this script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import recompute_memory as rm  # noqa: E402  (the sibling benchmark's measuring helpers)
+
+LAYERS, HIDDEN, HEADS, VOCAB, BATCH, LLAMA_MLP = 4, 256, 4, 2048, 8, 1024
+if os.environ.get("ORTPASS_BENCH_TINY") == "1":  # the test suite's smoke run
+    LAYERS, HIDDEN, HEADS, VOCAB, BATCH, LLAMA_MLP = 2, 32, 2, 64, 2, 64
+
+CONFIGS = [
+    # (key, label, kind)
+    ("ort", "ORT, no recompute", "ort"),
+    ("ortpass", "ortpass default pipeline", "ort"),
+    ("ortpass_fused", "ortpass default pipeline, fused attention", "ort-bridge"),
+    ("ort_cpp", "ORT C++ path, no recompute", "ort-cpp"),
+    ("ort_cpp_l1", "ORT 1.19.2 C++ memory optimizer, level 1", "ort-cpp"),
+    ("torch", "torch eager (SDPA)", "torch"),
+    ("torch_ckpt", "torch eager + gradient_checkpointing_enable()", "torch"),
+]
+
+
+def build_model(family: str, seq: int):
+    import transformers
+
+    if family == "gpt2":
+        config = transformers.GPT2Config(
+            n_layer=LAYERS, n_embd=HIDDEN, n_head=HEADS, vocab_size=VOCAB, n_positions=seq,
+            bos_token_id=0, eos_token_id=0,
+        )
+        return transformers.GPT2LMHeadModel(config)
+    if family == "llama":
+        config = transformers.LlamaConfig(
+            num_hidden_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, num_key_value_heads=HEADS,
+            intermediate_size=LLAMA_MLP, vocab_size=VOCAB, max_position_embeddings=seq,
+            bos_token_id=0, eos_token_id=0, pad_token_id=0,
+        )
+        return transformers.LlamaForCausalLM(config)
+    raise ValueError(f"unknown model family {family!r}: gpt2 or llama")
+
+
+def _loss_module(model):
+    import torch
+
+    class CausalLMLoss(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, attention_mask, labels):
+            return self.model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+
+    return CausalLMLoss()
+
+
+def child_prepare(work: Path, family: str, seq: int) -> dict:
+    """Export (plain and fused attention), run the default pipeline, save every graph."""
+    import numpy as np
+    import onnx_ir as ir
+    import torch
+
+    import ortpass
+    from ortpass.cli import DEFAULT_PIPELINE
+    from ortpass.export import export
+    from ortpass.training import build_training_graph
+
+    torch.manual_seed(0)
+    model = build_model(family, seq)
+    ids = np.random.default_rng(0).integers(0, VOCAB, (BATCH, seq))
+    batch = {"input_ids": ids, "attention_mask": np.ones_like(ids), "labels": ids}
+    np.savez(work / "batch.npz", **batch)
+    torch.save(model.state_dict(), work / "weights.pt")
+    args = tuple(torch.from_numpy(batch[k]) for k in batch)
+    info: dict = {"nodes": {}, "recompute": {}}
+    forward = export(_loss_module(model), args, input_names=list(batch))
+    training = build_training_graph(forward)
+    ir.save(training, work / "ort.onnx")
+    info["nodes"]["ort"] = len(training.graph)
+    rm._save_ort_module_graph(training, work)
+    for key, fused in (("ortpass", False), ("ortpass_fused", True)):
+        source = forward if not fused else export(_loss_module(model), args, input_names=list(batch), fused_attention=True)
+        result = ortpass.pipeline(DEFAULT_PIPELINE)(source)
+        ir.save(result.model, work / f"{key}.onnx")
+        info["nodes"][key] = len(result.model.graph)
+        info["recompute"][key] = result.report["recompute"].stats.get("counts", {})
+    return info
+
+
+def child_torch(work: Path, family: str, seq: int, key: str, steps: int) -> dict:
+    import numpy as np
+    import torch
+
+    model = build_model(family, seq)
+    model.load_state_dict(torch.load(work / "weights.pt"))
+    if key == "torch_ckpt":
+        model.gradient_checkpointing_enable()
+    model.train()
+    batch = {k: torch.from_numpy(v) for k, v in np.load(work / "batch.npz").items()}
+    losses = []
+
+    def step():
+        model.zero_grad(set_to_none=True)  # the step allocates its gradients, as ORT's does
+        loss = model(**batch).loss
+        loss.backward()
+        losses.append(float(loss))
+
+    result = rm._measure(step, steps)
+    result["loss"] = losses[0]
+    return result
+
+
+def run(families: list[str], seq: int, steps: int) -> dict:
+    results: dict = {
+        "model": {"layers": LAYERS, "hidden": HIDDEN, "heads": HEADS, "vocab": VOCAB, "batch": BATCH, "seq": seq,
+                  "llama_mlp": LLAMA_MLP},
+        "cpus": os.cpu_count(),
+        "steps_timed": steps,
+        "load_average_before": os.getloadavg(),
+        "families": {},
+    }
+    for family in families:
+        with tempfile.TemporaryDirectory(prefix=f"hf_memory_{family}_") as tmp:
+            work = Path(tmp)
+            print(f"[{family}] preparing graphs", flush=True)
+            entry = {"prepare": _child("prepare", str(work), family, str(seq))}
+            entry["ort_cpp_plans"] = _child("ort-plans", str(work))
+            entry["configs"] = {}
+            for key, label, kind in CONFIGS:
+                print(f"[{family}] {label}", flush=True)
+                if kind == "ort-cpp":
+                    measured = _child("ort-cpp", str(work), str(steps), str(int(key == "ort_cpp_l1")))
+                elif kind.startswith("ort"):
+                    measured = _child("ort", str(work), key, str(steps), str(int(kind == "ort-bridge")))
+                else:
+                    measured = _child("torch", str(work), family, str(seq), key, str(steps))
+                if kind in ("ort", "ort-cpp") and measured["torch_imported"]:
+                    raise RuntimeError(f"{key}: torch was imported in the ORT child; the memory would be wrong")
+                entry["configs"][key] = {"label": label, **measured}
+                print(f"    step peak {measured['step_peak_mib']:.0f} MiB, step {measured['step_seconds']:.2f} s", flush=True)
+            results["families"][family] = entry
+    results["load_average_after"] = os.getloadavg()
+    return results
+
+
+def _child(*args: str) -> dict:
+    return rm._run_child(*args, script=__file__)
+
+
+def markdown(results: dict) -> str:
+    m = results["model"]
+    lines = [
+        f"# Hugging Face models: step peak memory and warm step time (seq {m['seq']})",
+        "",
+        f"{m['layers']} layers, hidden {m['hidden']}, {m['heads']} heads, vocab {m['vocab']}, batch {m['batch']}, "
+        f"seq {m['seq']} (LLaMA MLP {m['llama_mlp']}); attention_mask of ones; one training step on CPU "
+        f"({results['cpus']} cores). Step peak above the RSS after setup and a warm-up step, each configuration "
+        f"in a fresh process; step time: fastest of {results['steps_timed']} warm steps. Load average before/after: "
+        f"{results['load_average_before'][0]:.1f} / {results['load_average_after'][0]:.1f}.",
+        "",
+    ]
+    families = list(results["families"])
+    lines.append("| configuration | " + " | ".join(f"{f}: peak MiB / step s" for f in families) + " |")
+    lines.append("|---|" + "---:|" * len(families))
+    for key, label, _ in CONFIGS:
+        cells = []
+        for family in families:
+            cfg = results["families"][family]["configs"][key]
+            cells.append(f"{cfg['step_peak_mib']:.0f} / {cfg['step_seconds']:.2f}")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines.append("")
+    for family in families:
+        entry = results["families"][family]
+        lines += _goal(family, entry["configs"])
+        for key, counts in entry["prepare"]["recompute"].items():
+            lines.append(f"{family} {key}: recompute {dict(counts)}")
+        lines.append(f"{family} ORT C++ level-1 plans: {len(entry['ort_cpp_plans']['plans'])}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _goal(family: str, configs: dict) -> list[str]:
+    """The real-model memory goal: peak at or below torch + checkpointing and below ORT C++
+    level 1, step time at most 1.2x torch + checkpointing's."""
+    ckpt, cpp = configs["torch_ckpt"], configs["ort_cpp_l1"]
+    lines = []
+    for key in ("ortpass", "ortpass_fused"):
+        ours = configs[key]
+        peak_ok = ours["step_peak_mib"] <= ckpt["step_peak_mib"] and ours["step_peak_mib"] < cpp["step_peak_mib"]
+        ratio = ours["step_seconds"] / ckpt["step_seconds"]
+        verdict = "met" if peak_ok and ratio <= 1.2 else "not met"
+        lines.append(
+            f"{family}, {ours['label']}: goal {verdict} (peak {ours['step_peak_mib']:.0f} MiB vs torch+checkpointing "
+            f"{ckpt['step_peak_mib']:.0f} and ORT C++ L1 {cpp['step_peak_mib']:.0f}; step time {ratio:.2f}x "
+            "torch+checkpointing's)."
+        )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--child":
+        kind, work, *rest = argv[1:]
+        path = Path(work)
+        if kind == "prepare":
+            out = child_prepare(path, rest[0], int(rest[1]))
+        elif kind == "ort-plans":
+            out = rm.child_ort_plans(path)
+        elif kind == "ort":
+            out = rm.child_ort(path, rest[0], int(rest[1]), bridge=rest[2] == "1")
+        elif kind == "ort-cpp":
+            out = rm.child_ort_cpp(path, int(rest[0]), recompute=rest[1] == "1")
+        else:
+            out = child_torch(path, rest[0], int(rest[1]), rest[2], int(rest[3]))
+        print(json.dumps(out))
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["gpt2", "llama"], choices=["gpt2", "llama"])
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=6)
+    args = parser.parse_args(argv)
+    results = run(args.models, args.seq, args.steps)
+    stem = "hf_memory" if args.seq == 512 else f"hf_memory_seq{args.seq}"
+    (HERE / f"{stem}.json").write_text(json.dumps(results, indent=1))
+    text = markdown(results)
+    (HERE / f"{stem}.md").write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""Export ``torch.nn.functional.scaled_dot_product_attention`` as one recomputable PythonOp.
+
+Hugging Face models (and most others) compute attention with torch's
+``scaled_dot_product_attention`` (SDPA).  The TorchScript exporter decomposes it into
+``MatMul -> Softmax -> Where(IsNaN) -> MatMul``, so ORT materializes the attention
+probabilities (batch x heads x seq x seq) and keeps them for backward.  torch's own fused
+kernels never keep that matrix: the flash kernel saves only a log-sum-exp per row and
+backward recomputes the rest.
+
+Inside :func:`fused_attention_export`, every SDPA call is routed through one of two
+``torch.autograd.Function``s, which the exporter turns into ``com.microsoft::PythonOp``
+nodes (ORT runs them through ortpass's torch bridge):
+
+- :class:`FusedAttention` ``(q, k, v, dropout_p, is_causal, scale, enable_gqa)``;
+- :class:`FusedMaskedAttention` ``(q, k, v, mask, dropout_p, scale, enable_gqa)`` for a
+  boolean or additive float mask (gradients flow into a float mask, e.g. T5's position
+  bias).
+
+Their forward runs torch's SDPA without building a graph and keeps only its inputs and,
+with dropout, the generator state it started from; backward runs SDPA again from that
+state and differentiates it.  So the PythonOp costs one extra attention forward in
+backward and holds no seq x seq tensor between forward and backward, which is what
+FlashAttention's own Function does.  Both Functions are registered as recomputable
+attention (the recompute analysis may clone them, replaying the generator state, and
+layer detection sees them) under their func_names in :mod:`ortpass.conventions`, so a
+process that only loads an exported model knows them without importing torch.
+
+Parity: the dropout mask comes from torch's generator, as in torch eager; a step on ORT and
+a torch step started from the same generator state draw the same masks when no other
+torch randomness runs between them (ORT's own Dropout nodes use ORT's generator).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+
+
+__all__ = ["FusedAttention", "FusedMaskedAttention", "fused_attention_export"]
+
+logger = logging.getLogger(__name__)
+
+#: torch's own SDPA, taken before anything patches the name.
+_torch_sdpa = F.scaled_dot_product_attention
+
+
+def _generator_states(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    cuda_state = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda_state
+
+
+@contextlib.contextmanager
+def _generators_at(states: tuple[torch.Tensor, torch.Tensor | None], device: torch.device) -> Iterator[None]:
+    """Run with torch's generators set to ``states``; restore the current ones afterwards."""
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.set_rng_state(states[0])
+        if states[1] is not None:
+            torch.cuda.set_rng_state(states[1], device)
+        yield
+
+
+def _forward(ctx, tensors: tuple[torch.Tensor, ...], dropout_p: float, is_causal: bool, scale: float, enable_gqa: bool):
+    q = tensors[0]
+    ctx.states = _generator_states(q.device) if dropout_p > 0 else None
+    ctx.options = (dropout_p, is_causal, scale, enable_gqa)
+    ctx.save_for_backward(*tensors)
+    return _attend(tensors, *ctx.options)
+
+
+def _attend(tensors, dropout_p, is_causal, scale, enable_gqa):
+    q, k, v, *mask = tensors
+    return _torch_sdpa(
+        q, k, v, attn_mask=mask[0] if mask else None, dropout_p=dropout_p, is_causal=is_causal,
+        scale=scale, enable_gqa=enable_gqa,
+    )
+
+
+def _backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    """Run forward again from its generator state and differentiate it."""
+    saved = ctx.saved_tensors
+    wanted = ctx.needs_input_grad[: len(saved)]
+    leaves = tuple(t.detach().requires_grad_(need) for t, need in zip(saved, wanted))
+    replay = _generators_at(ctx.states, saved[0].device) if ctx.states is not None else contextlib.nullcontext()
+    with torch.enable_grad(), replay:
+        out = _attend(leaves, *ctx.options)
+    differentiable = [leaf for leaf in leaves if leaf.requires_grad]
+    grads = iter(torch.autograd.grad(out, differentiable, grad_out, allow_unused=True)) if differentiable else iter(())
+    return tuple(next(grads) if leaf.requires_grad else None for leaf in leaves)
+
+
+class FusedAttention(torch.autograd.Function):
+    """``scaled_dot_product_attention(q, k, v)`` without a mask, as one PythonOp."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, dropout_p: float, is_causal: bool, scale: float, enable_gqa: bool):
+        return _forward(ctx, (q, k, v), dropout_p, is_causal, scale, enable_gqa)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        return (*_backward(ctx, grad_out), None, None, None, None)
+
+
+class FusedMaskedAttention(torch.autograd.Function):
+    """``scaled_dot_product_attention(q, k, v, attn_mask=mask)``, as one PythonOp."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, dropout_p: float, scale: float, enable_gqa: bool):
+        if mask.dtype == torch.uint8:
+            # ORT hands a bool tensor over DLPack as uint8 (measured on 1.19.2); SDPA takes
+            # no uint8 mask, so this is always the boolean mask, viewed without a copy.
+            mask = mask.view(torch.bool)
+        return _forward(ctx, (q, k, v, mask), dropout_p, False, scale, enable_gqa)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        return (*_backward(ctx, grad_out), None, None, None)
+
+
+def _fused_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """Drop-in for ``F.scaled_dot_product_attention`` that calls the PythonOp Functions."""
+    if scale is None:
+        scale = float(query.shape[-1]) ** -0.5
+    scale, dropout_p = float(scale), float(dropout_p)
+    if attn_mask is None:
+        return FusedAttention.apply(query, key, value, dropout_p, bool(is_causal), scale, bool(enable_gqa))
+    if is_causal:
+        # torch refuses a mask together with is_causal; so do we, with its words.
+        raise RuntimeError("scaled_dot_product_attention: explicit attn_mask should not be set when is_causal=True")
+    return FusedMaskedAttention.apply(query, key, value, attn_mask, dropout_p, scale, bool(enable_gqa))
+
+
+@contextlib.contextmanager
+def fused_attention_export() -> Iterator[None]:
+    """While active, ``torch.nn.functional.scaled_dot_product_attention`` exports as a
+    PythonOp (callers that look the name up at call time, as transformers does)."""
+    F.scaled_dot_product_attention = _fused_sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = _torch_sdpa
+
