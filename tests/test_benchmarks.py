@@ -83,3 +83,24 @@ def test_recompute_memory_measures_every_configuration_on_a_tiny_decoder(monkeyp
     assert configs["ort_l1"]["ort_recompute_nodes"] > 0 and configs["ort"]["ort_recompute_nodes"] == 0
     assert configs["ort_l1_full"]["ort_recompute_nodes"] > 0
     assert recompute_memory.markdown(results).count("| ortpass recompute level 1 |") == 1
+
+
+@pytest.mark.slow
+def test_family_memory_measures_both_pipelines_on_two_tiny_families(monkeypatch):
+    monkeypatch.setenv("ORTPASS_BENCH_TINY", "1")  # read by the script and by its children
+    family_memory = _load("family_memory")
+    from test_real_models import FAMILIES  # the conformance suite's families
+
+    assert set(family_memory.FAMILIES) == set(FAMILIES)
+    results = family_memory.run(["gpt2", "bert"], steps=1)
+    rows = family_memory.rows(results)
+    assert [row["family"] for row in rows] == ["gpt2", "bert"]
+    for row in rows:
+        assert row["peak_without_mib"] >= 0 and row["peak_with_mib"] >= 0
+        assert row["clones"] > 0 and row["ort_recompute_nodes"] > 0  # the tiny run lowers the size floor to 0
+    for entry in results["families"].values():
+        assert entry["prepare"]["recompute"]["no_recompute"] == {}
+        assert entry["configs"]["no_recompute"]["ort_recompute_nodes"] == 0
+    table = family_memory.markdown(results).splitlines()
+    assert "| family | peak without recompute MiB | peak with MiB | reduction % | clones |" in table
+    assert sum(line.startswith(("| gpt2 |", "| bert |")) for line in table) == 2
