@@ -40,6 +40,7 @@ def export(
     opset: int = 17,
     dynamic_axes: Mapping[str, Mapping[int, str]] | None = None,
     density_threshold: float | None = 90.0,
+    training: bool = True,
 ) -> ir.Model:
     """Export ``module(*args)`` (whose first output is the scalar loss) for training.
 
@@ -54,6 +55,8 @@ def export(
         density_threshold: label density (percent) under which cross-entropy labels get
             the padding flag for ``InsertGatherBeforeSceLossPass``; ``None`` disables
             the probe.
+        training: False exports the module in eval mode (no Dropout, no density probe)
+            for a forward-only graph, whose first output need not be a loss.
 
     Returns:
         An onnx_ir model: parameters are initializers named by ``state_dict`` names, the
@@ -74,9 +77,10 @@ def export(
         raise ExportError(f"{len(input_names)} input_names for {len(args)} arguments")
 
     proto, density_records = _run_torchscript_export(
-        module, args, list(input_names), loss_name, opset, dynamic_axes, density_threshold
+        module, args, list(input_names), loss_name, opset, dynamic_axes, density_threshold if training else None, training
     )
-    _check_loss_output(proto, loss_name)
+    if training:
+        _check_loss_output(proto, loss_name)
     model = ir.from_proto(proto)
     # TorchScript names values after the symbolics ran, so ctx outputs are named here.
     name_context_outputs(model)
@@ -95,7 +99,7 @@ def export(
     return model
 
 
-def _run_torchscript_export(module, args, input_names, loss_name, opset, dynamic_axes, density_threshold):
+def _run_torchscript_export(module, args, input_names, loss_name, opset, dynamic_axes, density_threshold, training=True):
     """Run torch's exporter with PythonOp export and the density probe hooked in.
 
     Returns the model proto and the probe's records (what it measured per loss call).
@@ -105,7 +109,7 @@ def _run_torchscript_export(module, args, input_names, loss_name, opset, dynamic
     from ortpass.export.pythonop import pythonop_export_context
 
     was_training = module.training
-    module.train()
+    module.train(training)
     buffer = io.BytesIO()
     probe = None
     try:
@@ -122,7 +126,7 @@ def _run_torchscript_export(module, args, input_names, loss_name, opset, dynamic
                 args,
                 buffer,
                 dynamo=False,
-                training=torch.onnx.TrainingMode.TRAINING,
+                training=torch.onnx.TrainingMode.TRAINING if training else torch.onnx.TrainingMode.EVAL,
                 do_constant_folding=False,
                 export_params=True,
                 opset_version=opset,
