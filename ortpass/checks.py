@@ -5,6 +5,9 @@ applies the same rules on the IR, to the whole input (:func:`input_check`), then
 again only at what changed since the last check (:func:`incremental_check`); ``"none"``
 checks nothing.  What a check accepted (:data:`Checked`) is handed to the next check, and
 in the full mode the serialization is also the manager's rollback point.
+
+Both modes know ONNX Runtime's own ops in the ONNX domain (``SimplifiedLayerNormalization``
+and others, :mod:`ortpass.ort_schemas`), which ORT's fusions and gradient builder emit.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from typing import Any
 import onnx
 import onnx_ir as ir
 
+from ortpass.ort_schemas import register_ort_schemas
+
 __all__ = ["CHECK_MODES", "Checked", "CheckedState", "check_mode", "full_check", "incremental_check", "input_check"]
 
 
@@ -22,6 +27,8 @@ __all__ = ["CHECK_MODES", "Checked", "CheckedState", "check_mode", "full_check",
 CHECK_MODES = ("full", "incremental", "none")
 
 _SUBGRAPH_ATTRIBUTES = (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS)
+
+register_ort_schemas()
 
 
 def check_mode(check: bool | str) -> str:

@@ -17,13 +17,26 @@ add; a final LayerNorm fails (1): nothing adds to its input.  So a pre-LN decode
 layers has N boundaries.  Restricting the walk to nodes placed before the ``Add`` bounds
 each walk by its block, so detection is linear in the graph size.
 
+Post-LN blocks (BERT: ``x = LN(x + Attention(x)); x = LN(x + MLP(x))``) fail rule (1):
+their LayerNorm closes a block, and nothing adds to its input.  The residual stream is
+the LayerNorm's *output* there, so ours (not ORT's) adds the mirror rule: a LayerNorm
+whose output, passed on through Dropout or Identity nodes (BERT's embedding LayerNorm is
+followed by a Dropout), is read by an ``Add`` placed after it, and whose walk reaches an
+attention op before that ``Add``, opens a layer.  The LayerNorm after attention fails it
+(its sub-block, the MLP, has no attention), the last one of the last layer too (nothing
+adds to its output: the head follows), and the embedding LayerNorm and the one closing
+each block but the last pass it: one boundary per block.  In a pre-LN block no
+LayerNorm output is read by an ``Add``, so the mirror rule finds nothing there.
+
 Layer ``k`` spans the forward nodes from boundary ``k`` (inclusive) up to boundary ``k+1``
 (exclusive).  The last layer ends with the last residual ``Add`` of its stream (follow the
-residual stream from its input through each ``Add`` that reads it); what follows (the
-final LayerNorm, the head, the loss) lies outside every layer.
+residual stream from its input through each ``Add`` that reads it; post-LN: through each
+``Add`` and the LayerNorm that normalizes its sum); what follows (the final LayerNorm,
+the head, the loss) lies outside every layer.
 
 A layer's *checkpoints* are the values a layer-wise plan keeps: each layer's input (input
-0 of its boundary) and the last layer's output.  Without the latter, the head's backward
+0 of its boundary; post-LN: the boundary's output, past its Dropout) and the last layer's
+output.  Without the latter, the head's backward
 would read a final residual recomputed from the last layer's input, and the whole last
 layer would be recomputed (and held) before the loss's backward could start.
 """
@@ -48,6 +61,9 @@ LAYER_NORM_OPS = frozenset(
     {"LayerNormalization", "SimplifiedLayerNormalization", "SkipLayerNormalization", "SkipSimplifiedLayerNormalization"}
 )
 _ATTENTION_OPS = frozenset({"Softmax", "BiasSoftmax", "BiasSoftmaxDropout", "Attention", "MultiHeadAttention"})
+# Ops a post-LN residual stream passes through unchanged in value or role on its way to
+# the next block (BERT's embedding LayerNorm -> Dropout).
+_STREAM_OPS = frozenset({"Dropout", "Identity"})
 
 
 @dataclasses.dataclass
@@ -58,9 +74,14 @@ class LayerBoundaries:
     _starts: list[int]  # position of each boundary in the forward order
     _end: int  # one past the last node of the last layer
     last_output: ir.Value | None = None  # the residual stream leaving the last layer
+    # The residual stream entering each layer (input 0 of a pre-LN boundary, the output
+    # of a post-LN one); default: input 0 of each boundary.
+    inputs: list[ir.Value] | None = None
 
     def __post_init__(self) -> None:
-        self._node_set = frozenset(self.nodes)
+        if self.inputs is None:
+            self.inputs = [node.inputs[0] for node in self.nodes]
+        self._inputs = frozenset(self.inputs)
 
     def __len__(self) -> int:
         return len(self.nodes)
@@ -72,8 +93,9 @@ class LayerBoundaries:
         return bisect.bisect_right(self._starts, position) - 1
 
     def is_layer_input(self, value: ir.Value) -> bool:
-        """True when ``value`` is input 0 of a boundary LayerNorm (the residual entering a layer)."""
-        return any(use.idx == 0 and use.node in self._node_set for use in value.uses())
+        """True when ``value`` is the residual stream entering a layer (input 0 of a pre-LN
+        boundary LayerNorm, the output of a post-LN one)."""
+        return value in self._inputs
 
     def is_checkpoint(self, value: ir.Value) -> bool:
         """True when a layer-wise plan keeps ``value``: a layer's input or the last layer's output."""
@@ -128,22 +150,63 @@ def _reaches_attention_before(ln: ir.Node, stop: int, position: dict[ir.Node, in
     return False
 
 
+def _post_ln_stream(ln: ir.Node, position: dict[ir.Node, int]) -> ir.Value | None:
+    """The residual stream leaving post-LN LayerNorm ``ln``: its output, passed on through
+    forward Dropout (output 0) or Identity nodes that are its only reader."""
+    value = ln.outputs[0] if ln.outputs else None
+    while value is not None:
+        readers = [use.node for use in value.uses() if use.node in position]
+        if len(readers) != 1 or readers[0].op_type not in _STREAM_OPS or not readers[0].outputs:
+            return value
+        value = readers[0].outputs[0]
+    return None
+
+
+def _post_ln_layer_end(stream: ir.Value, after: int, position: dict[ir.Node, int]) -> tuple[ir.Node | None, ir.Value]:
+    """Follow a post-LN residual stream through each Add that reads it and the LayerNorm
+    that normalizes the sum; returns the last node on it and the stream it leaves."""
+    last = None
+    add = _next_add(stream, after, position)
+    while add is not None:
+        last, stream = add, add.outputs[0]
+        norms = [u.node for u in stream.uses() if u.node.op_type in LAYER_NORM_OPS and u.idx == 0 and u.node in position]
+        if norms:
+            norm = min(norms, key=position.__getitem__)
+            last, stream = norm, _post_ln_stream(norm, position) or norm.outputs[0]
+        add = _next_add(stream, position[last], position)
+    return last, stream
+
+
 def find_layer_boundaries(forward: Sequence[ir.Node]) -> LayerBoundaries:
     """Detect layer boundaries among ``forward`` (the forward nodes in execution order)."""
     position = {node: i for i, node in enumerate(forward)}
-    boundaries = []
+    boundaries: list[ir.Node] = []
+    inputs: list[ir.Value] = []
+    post_ln: list[ir.Value | None] = []
     for node in forward:
-        if node.op_type not in LAYER_NORM_OPS:
+        if node.op_type not in LAYER_NORM_OPS or not node.inputs or node.inputs[0] is None:
             continue
         add = _residual_add(node, position)
-        if add is None:
-            continue
-        if _reaches_attention_before(node, position[add], position):
+        if add is not None and _reaches_attention_before(node, position[add], position):
             boundaries.append(node)
+            inputs.append(node.inputs[0])
+            post_ln.append(None)
+            continue
+        stream = _post_ln_stream(node, position)
+        add = None if stream is None else _next_add(stream, position[node], position)
+        if add is not None and _reaches_attention_before(node, position[add], position):
+            boundaries.append(node)
+            inputs.append(stream)
+            post_ln.append(stream)
     logger.debug("layer boundaries: %s", [n.name for n in boundaries])
     end, last_output = len(forward), None
     if boundaries:
-        closing = _last_residual_add(boundaries[-1], position)
-        if closing is not None:
-            end, last_output = position[closing] + 1, closing.outputs[0]
-    return LayerBoundaries(boundaries, [position[n] for n in boundaries], end, last_output)
+        if post_ln[-1] is not None:
+            closing, stream = _post_ln_layer_end(post_ln[-1], position[boundaries[-1]], position)
+            if closing is not None:
+                end, last_output = position[closing] + 1, stream
+        else:
+            closing = _last_residual_add(boundaries[-1], position)
+            if closing is not None:
+                end, last_output = position[closing] + 1, closing.outputs[0]
+    return LayerBoundaries(boundaries, [position[n] for n in boundaries], end, last_output, inputs)

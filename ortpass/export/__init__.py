@@ -1,6 +1,7 @@
 """The torch side: export a module with its loss to ONNX for training, and the registries
 that say how ``torch.autograd.Function``s export (``register_exporter``), what shapes their
-outputs have (``register_shape_inferer``) and which of them may run (``register_function``).
+outputs have (``register_shape_inferer``) and which of them may run (``register_function``), and symbolics for aten ops torch's exporter
+lacks (``register_symbolic``).
 
 Names load on first use: the shape-inferer registry is read by a pass that must not pull
 torch into ``import ortpass``.
@@ -8,13 +9,14 @@ torch into ``import ortpass``.
 
 import importlib
 
-__all__ = ["export", "register_exporter", "register_function", "register_shape_inferer"]
+__all__ = ["export", "register_exporter", "register_function", "register_shape_inferer", "register_symbolic"]
 
 _LAZY = {
     "export": "ortpass.export.torchscript",
     "register_exporter": "ortpass.export.pythonop",
     "register_shape_inferer": "ortpass.export.shape_inference",
     "register_function": "ortpass.runtime.bridge",
+    "register_symbolic": "ortpass.export.symbolics",
 }
 
 

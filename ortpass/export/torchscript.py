@@ -107,6 +107,7 @@ def _run_torchscript_export(module, args, input_names, loss_name, opset, dynamic
     # Imported here: both hook into torch while the exporter runs and are undone after.
     from ortpass.export.density import density_probe
     from ortpass.export.pythonop import pythonop_export_context
+    from ortpass.export.symbolics import symbolics_context
 
     was_training = module.training
     module.train(training)
@@ -115,6 +116,7 @@ def _run_torchscript_export(module, args, input_names, loss_name, opset, dynamic
     try:
         with contextlib.ExitStack() as hooks, warnings.catch_warnings():
             hooks.enter_context(pythonop_export_context())
+            hooks.enter_context(symbolics_context(opset))
             if density_threshold is not None:
                 probe = hooks.enter_context(density_probe(module, threshold=density_threshold))
             # The TorchScript exporter is deprecated in favour of dynamo; it is the path that
@@ -137,10 +139,40 @@ def _run_torchscript_export(module, args, input_names, loss_name, opset, dynamic
     except ExportError:
         raise
     except Exception as exc:
-        raise ExportError(f"torch.onnx.export of {type(module).__name__} failed: {type(exc).__name__}: {exc}") from exc
+        raise ExportError(
+            f"torch.onnx.export of {type(module).__name__} failed: {type(exc).__name__}: {exc}{_where_and_way_out(exc)}"
+        ) from exc
     finally:
         module.train(was_training)
     return onnx.load_from_string(buffer.getvalue()), (probe.records if probe is not None else [])
+
+
+def _where_and_way_out(exc: Exception) -> str:
+    """For a torch op the exporter cannot convert: which module called it, and what to do.
+
+    torch's error names only the op; the traced node it was converting, still a local of
+    the exporter's ``_run_symbolic_function`` frame in the traceback, knows the module
+    (its scope) and the source line.
+    """
+    node = None
+    traceback = exc.__traceback__
+    while traceback is not None:
+        if traceback.tb_frame.f_code.co_name == "_run_symbolic_function":
+            node = traceback.tb_frame.f_locals.get("node")
+        traceback = traceback.tb_next
+    if node is None:
+        return ""
+    kind = node.kind()
+    scope = node.scopeName().split("/")[-1].split("::")[-1] or "the top-level module"
+    source = str(node.sourceRange()).strip().splitlines()
+    where = f"\n  in {scope}" + (f", {source[0].strip()}" if source else "")
+    if not isinstance(exc, torch.onnx.errors.UnsupportedOperatorError):
+        return where
+    return (
+        f"{where}\n  way out: give {kind} a symbolic with "
+        f"@ortpass.export.register_symbolic({kind!r}) (fn(g, *inputs) emitting ONNX ops with g.op), "
+        "or rewrite that call with ops the exporter supports"
+    )
 
 
 def _check_loss_output(proto: onnx.ModelProto, loss_name: str) -> None:

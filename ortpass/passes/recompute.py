@@ -76,6 +76,7 @@ replayed (:mod:`ortpass.passes.recompute_pythonop`).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import os
@@ -88,6 +89,7 @@ from ortpass.analysis.partition import SIDE_KEY, is_backward
 from ortpass.analysis.plans import PlanSpec, PlanType, load_plan_file, parse_plans
 from ortpass.analysis.recomputable_ops import MS_DOMAIN, OptionalOutputs, ProbeLevel
 from ortpass.analysis.recompute import (
+    DEFAULT_MIN_ELEMENTS,
     Occurrence,
     RecomputeReport,
     find_recompute_candidates,
@@ -275,7 +277,10 @@ class RecomputePass(OrtPass):
         _check_dropouts_seeded(nodes)
         recompute_pythonop.check_pythonops(nodes)
         if not nodes:
-            logger.info("recompute: no occurrence of %s in this graph", ",".join(map(str, specs)) or "any plan")
+            if self.selection.level > 0:
+                _warn_nothing_layerwise(self.selection.level, report)
+            else:
+                logger.info("recompute: no occurrence of %s in this graph", ",".join(map(str, specs)) or "any plan")
             return ir.passes.PassResult(model, modified=False)
 
         clones = _Cloner(model, report.positions).clone(nodes)
@@ -309,6 +314,37 @@ class RecomputePass(OrtPass):
         known = [a.saving_bytes for a in self.applied if a.saving_bytes is not None]
         self.count("expected saving bytes", sum(known))
         logger.info("recompute: %s", "; ".join(f"{a.plan} x{a.applied}" for a in self.applied))
+
+
+def _warn_nothing_layerwise(level: int, report: RecomputeReport) -> None:
+    """Say at WARNING why layer-wise recompute (level 1 or 2) recomputes nothing, and what
+    to do instead: the user asked for memory savings and gets none."""
+    if not report.layer_boundaries:
+        logger.warning(
+            "recompute(level=%d) recomputes nothing: it recomputes inside transformer layers only, and found "
+            "no layer boundary (a LayerNorm whose block reaches an attention op -- Softmax, Attention, a "
+            "registered attention PythonOp -- before its residual Add, pre-LN or post-LN); list the plans the "
+            "whole graph offers with `ortpass report` (without --layer-boundary) and apply them with "
+            "recompute(plans=...)",
+            level,
+        )
+        return
+    reasons = collections.Counter(skipped.reason for skipped in report.skipped)
+    way_out = "list the candidates and why each was skipped with `ortpass report --layer-boundary`"
+    if any("smaller than" in reason for reason in reasons):
+        way_out = (
+            f"all-static tensors under the size floor are not worth recomputing (ORT's floor, "
+            f"{DEFAULT_MIN_ELEMENTS} elements): export with dynamic axes (batch, sequence) as ORTModule did, "
+            f"or lower the floor with recompute(level={level}, min_elements=N)"
+        )
+    logger.warning(
+        "recompute(level=%d) recomputes nothing: %d layer boundaries found, but no candidate inside them "
+        "qualifies (most common reasons: %s); %s",
+        level,
+        len(report.layer_boundaries),
+        "; ".join(f"{reason} (x{count})" for reason, count in reasons.most_common(3)) or "none",
+        way_out,
+    )
 
 
 def _nodes_to_clone(occurrences: Iterable[Occurrence], positions: dict[ir.Node, int]) -> list[ir.Node]:

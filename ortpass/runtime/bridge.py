@@ -26,7 +26,8 @@ exposed to ORT as C callbacks through ``ctypes``.  What ORT 1.19.2 calls (from
 - ``callback`` is ``Function.apply`` from ORT's pool (``register_torch_autograd_function``),
   which must hold every ``func_name`` before a session runs.  Our runners dispatch on
   ``func_name`` through ortpass's own registry instead, so only Functions registered
-  here (:func:`register_function`) or exported in this process run.
+  here (:func:`register_function`), exported in this process, or ortpass's own
+  (``ortpass.export.density.FlagAndPrintDensity``) run.
 
 A std::vector returned by value travels through a hidden pointer (x86-64 SysV / Itanium
 C++ ABI), so the C signature of our callbacks starts with that pointer, and the result
@@ -118,10 +119,13 @@ def _key(function: Any) -> str:
 
 
 def registered_functions() -> dict[str, Any]:
-    """Functions the bridge may run: explicit registrations over those exported here."""
-    from ortpass.export.pythonop import exported_functions
+    """Functions the bridge may run: explicit registrations over those exported here, over
+    ortpass's own (the density flag, which a model keeps when the gather pass did not run
+    or ``ORTPASS_PRINT_INPUT_DENSITY=1`` kept it, in whatever process runs it)."""
+    from ortpass.export.density import FlagAndPrintDensity
+    from ortpass.export.pythonop import exported_functions, qualified_name
 
-    return {**exported_functions(), **_functions}
+    return {qualified_name(FlagAndPrintDensity): FlagAndPrintDensity, **exported_functions(), **_functions}
 
 
 def pythonop_func_names(model: ir.Model) -> dict[str, str]:

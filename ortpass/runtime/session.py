@@ -47,6 +47,7 @@ __all__ = [
     "TrainingSession",
     "disabled_optimizers",
     "dropout_mask_names",
+    "forward_dropouts",
     "with_dropout_masks",
 ]
 
@@ -168,9 +169,11 @@ class TrainingSession:
         except Exception as exc:
             raise OrtpassError(f"the training step failed on ONNX Runtime: {_root_cause(exc)}") from exc
         n_grads = len(self.info.gradients)
+        gradients = dict(zip(self.info.gradients, values[1 : 1 + n_grads]))
+        _check_gradient_shapes(gradients, feeds)
         return StepResult(
             loss=float(values[0]),
-            gradients=dict(zip(self.info.gradients, values[1 : 1 + n_grads])),
+            gradients=gradients,
             extras=dict(zip(self.extra_outputs, values[1 + n_grads :])),
         )
 
@@ -185,6 +188,19 @@ class TrainingSession:
             return list(self._session._sess.run_with_ort_values(dict(feeds), list(fetch), None))
         except Exception as exc:
             raise OrtpassError(f"the training step failed on ONNX Runtime: {_root_cause(exc)}") from exc
+
+
+def _check_gradient_shapes(gradients: Mapping[str, np.ndarray], params: Mapping[str, np.ndarray]) -> None:
+    """Refuse a step whose gradient for a parameter has another shape than the parameter
+    (ORT 1.19.2's gradient builder can leave a broadcast unreduced; the build repairs the
+    case it knows and refuses static mismatches, this catches what only shows at run time)."""
+    for name, gradient in gradients.items():
+        param = params.get(name)
+        if param is not None and gradient.shape != param.shape:
+            raise OrtpassError(
+                f"the gradient of parameter {name!r} has shape {list(gradient.shape)}, not the parameter's "
+                f"{list(param.shape)}: the training graph got a broadcast wrong"
+            )
 
 
 def disabled_optimizers(model: ir.Model) -> list[str]:
@@ -202,7 +218,7 @@ def dropout_mask_names(model: ir.Model) -> list[str]:
     models, :func:`with_dropout_masks` gives a copy that has them back.
     """
     names = []
-    for node in _forward_dropouts(model):
+    for node in forward_dropouts(model):
         if len(node.outputs) < 2 or not node.outputs[1].name:
             raise OrtpassError(
                 f"Dropout {node.name!r} has no mask output (a pass dropped it); use with_dropout_masks(model)"
@@ -220,7 +236,7 @@ def with_dropout_masks(model: ir.Model) -> tuple[ir.Model, list[str]]:
     """
     copy = model.clone()
     taken = {v.name for n in copy.graph for v in n.outputs} | {v.name for v in copy.graph.inputs}
-    for node in _forward_dropouts(copy):
+    for node in forward_dropouts(copy):
         if len(node.outputs) >= 2 and node.outputs[1].name:
             continue
         node.resize_outputs(2)
@@ -231,7 +247,8 @@ def with_dropout_masks(model: ir.Model) -> tuple[ir.Model, list[str]]:
     return copy, dropout_mask_names(copy)
 
 
-def _forward_dropouts(model: ir.Model) -> list[ir.Node]:
+def forward_dropouts(model: ir.Model) -> list[ir.Node]:
+    """The forward Dropout nodes, in graph (= call) order."""
     return [
         node
         for node in model.graph

@@ -10,6 +10,9 @@ adds around it:
 - parameters made graph inputs, as the builder requires (their values stay initializers,
   so the model is self-contained and ORT treats them as overridable defaults);
 - the IR version clamped to what ORT 1.19.2 loads;
+- the gradient of a broadcast ``Where`` input reduced to the input's shape, which ORT
+  1.19.2's builder forgets (:func:`_reduce_broadcast_where_gradients`), and every
+  parameter's gradient checked to have the parameter's shape;
 - an explicit forward/backward partition recorded in the result
   (:mod:`ortpass.analysis.partition`), and shapes on the forward values analyses read.
 """
@@ -21,11 +24,13 @@ import re
 from typing import Iterable, Sequence
 
 import onnx
+import onnx.numpy_helper
 import onnx_ir as ir
 
 from ortpass.analysis.partition import SIDE_KEY, TrainingInfo, set_training_info, tag
 from ortpass.errors import TrainingGraphError
 from ortpass.metadata import get_export_info
+from ortpass.ort_schemas import register_ort_schemas
 
 __all__ = ["build_training_graph", "check_forward_model", "clamp_for_ort", "MAX_ORT_OPSET", "MAX_ORT_IR_VERSION"]
 
@@ -34,6 +39,9 @@ logger = logging.getLogger(__name__)
 # What ORT 1.19.2 loads (measured; docs/design/ort-facts.md).
 MAX_ORT_OPSET = 21
 MAX_ORT_IR_VERSION = 10
+
+# onnx's shape inference then gives SimplifiedLayerNormalization's InvStdDev a shape.
+register_ort_schemas()
 
 _FLOAT_TYPES = {ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE}
 
@@ -78,6 +86,7 @@ def build_training_graph(
         # call back into the registered Functions, and a bad PythonOp gets named here.
         bridge.prepare(model)
     clamp_for_ort(proto)
+    _remove_inference_dropouts(proto)
     # Shapes first: ORT keeps the shapes it is given through its fusions, but its symbolic
     # inference has no rule for the ConcatTraining those fusions emit.
     proto = _infer_forward_shapes(proto)
@@ -87,9 +96,11 @@ def build_training_graph(
     forward_names = _ensure_unique_node_names(proto)
     _make_params_inputs(proto, params, loss)
     training_proto = _run_gradient_builder(proto, loss, params)
+    _reduce_broadcast_where_gradients(training_proto, forward_names)
     clamp_for_ort(training_proto)
     training_proto = _infer_shapes(training_proto)
     gradients = _check_gradient_outputs(training_proto, params)
+    _check_gradient_shapes(training_proto, gradients)
     _order_outputs(training_proto, [loss, *gradients.values()])
 
     training = ir.from_proto(training_proto)
@@ -287,6 +298,51 @@ def _add_outputs_the_gradient_builder_needs(proto: onnx.ModelProto) -> None:
                 node.output[position] = f"{stem}_ortpass_out{position}"
 
 
+def _remove_inference_dropouts(proto: onnx.ModelProto) -> int:
+    """Replace every Dropout whose ``training_mode`` is omitted or a constant false by what
+    it computes, the identity (and an all-true mask); returns how many.
+
+    ORT's ``DropoutGrad`` ignores ``training_mode``: it always multiplies by the mask and
+    scales by ``1 / (1 - ratio)`` (measured on 1.19.2; docs/design/ort-facts.md), so the
+    gradient of an inference-mode Dropout, the identity in forward, came out scaled in
+    backward, and differently again once a pass replaced that DropoutGrad.  torch's
+    export of SDPA with dropout wrote such Dropouts (issue #21).
+    """
+    constants = {t.name: t for t in proto.graph.initializer}
+    constants.update(
+        (node.output[0], node.attribute[0].t)
+        for node in proto.graph.node
+        if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value"
+    )
+    nodes, removed = [], 0
+    for node in proto.graph.node:
+        if node.op_type != "Dropout" or node.domain not in ("", "ai.onnx") or not _is_inference_mode(node, constants):
+            nodes.append(node)
+            continue
+        stem = node.name or node.output[0]
+        nodes.append(onnx.helper.make_node("Identity", [node.input[0]], [node.output[0]], name=f"{stem}_inference_identity"))
+        if len(node.output) > 1 and node.output[1]:
+            shape = f"{stem}_inference_shape"
+            nodes.append(onnx.helper.make_node("Shape", [node.input[0]], [shape], name=shape))
+            nodes.append(onnx.helper.make_node(
+                "ConstantOfShape", [shape], [node.output[1]], name=f"{stem}_inference_mask",
+                value=onnx.helper.make_tensor("true", onnx.TensorProto.BOOL, [1], [True]),
+            ))
+        removed += 1
+    if removed:
+        del proto.graph.node[:]
+        proto.graph.node.extend(nodes)
+        logger.info("replaced %d inference-mode Dropout(s) by Identity", removed)
+    return removed
+
+
+def _is_inference_mode(dropout: onnx.NodeProto, constants: dict[str, onnx.TensorProto]) -> bool:
+    if len(dropout.input) < 3 or not dropout.input[2]:
+        return True
+    mode = constants.get(dropout.input[2])
+    return mode is not None and not bool(onnx.numpy_helper.to_array(mode).item())
+
+
 def _ensure_unique_node_names(proto: onnx.ModelProto) -> set[str]:
     seen: set[str] = set()
     for index, node in enumerate(proto.graph.node):
@@ -435,6 +491,143 @@ def _check_gradient_outputs(proto: onnx.ModelProto, params: Sequence[str]) -> di
             f"the gradient builder produced no gradient for {missing}: the loss does not depend on them"
         )
     return gradients
+
+
+def _static_shapes(proto: onnx.ModelProto) -> dict[str, list[int | str | None]]:
+    """Known shapes by value name: each dim an int, a dim param, or None (unknown)."""
+    shapes: dict[str, list[int | str | None]] = {}
+    for info in (*proto.graph.input, *proto.graph.value_info, *proto.graph.output):
+        tensor = info.type.tensor_type
+        if info.type.HasField("tensor_type") and tensor.HasField("shape"):
+            shapes[info.name] = [
+                d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tensor.shape.dim
+            ]
+    for init in proto.graph.initializer:
+        shapes[init.name] = list(init.dims)
+    return shapes
+
+
+def _broadcast_axes(source: list, result: list) -> list[int] | None:
+    """The axes of ``result`` along which ``source`` was broadcast (numpy rules): the
+    leading axes ``source`` lacks and those where it has 1 and ``result`` has not; None
+    when a dim needed to tell is unknown."""
+    lead = len(result) - len(source)
+    if lead < 0:
+        return None
+    axes = list(range(lead))
+    for j, dim in enumerate(source):
+        out = result[lead + j]
+        if dim is None or out is None:
+            return None
+        if dim == 1 and out != 1:
+            axes.append(lead + j)
+    return axes
+
+
+def _reduce_broadcast_where_gradients(proto: onnx.ModelProto, forward_names: set[str]) -> int:
+    """Reduce the gradient of each broadcast input of a forward ``Where`` to that input's
+    shape; returns how many gradients were repaired.
+
+    ORT 1.19.2 differentiates ``Where(c, x, y)`` as ``Where(c, dY, 0)`` for ``x`` and
+    ``Where(c, 0, dY)`` for ``y``, in the output's shape, without the reduction its other
+    broadcasting ops get (measured: a (1,4,8,8) parameter read by a Where with a (2,4,8,8)
+    output got a (2,4,8,8) gradient, silently; T5's relative-attention bias made the step
+    fail at the Squeeze its Unsqueeze's gradient applies).  The repair sums over the
+    broadcast axes (``ReduceSum(keepdims=1)``) and drops the leading axes the input lacks
+    (``Squeeze``), as numpy's broadcasting rule dictates for a gradient.  The builder's
+    nodes for Where ``W`` are named ``<W>_Grad/...``; its Where for input ``i`` reads
+    ``dY`` at position ``i``.
+    """
+    shapes = _static_shapes(proto)
+    opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), MAX_ORT_OPSET)
+    forwards = {n.name: n for n in proto.graph.node if n.op_type == "Where" and n.domain in ("", "ai.onnx") and n.name in forward_names}
+    repaired = 0
+    position = 0
+    while position < len(proto.graph.node):
+        node = proto.graph.node[position]
+        position += 1
+        owner = forwards.get(node.name.split("_Grad/", 1)[0]) if "_Grad/" in node.name else None
+        if owner is None or node.op_type != "Where" or len(node.input) != 3 or node.input[0] != owner.input[0]:
+            continue
+        index = _where_gradient_input(node, shapes)
+        if index is None:
+            continue
+        source, result = shapes.get(owner.input[index]), shapes.get(owner.output[0])
+        axes = None if source is None or result is None else _broadcast_axes(source, result)
+        if axes is None:
+            logger.warning(
+                "cannot tell whether Where %r broadcast its input %r (shapes unknown); its gradient is left as "
+                "ONNX Runtime built it", owner.name, owner.input[index]
+            )
+            continue
+        if not axes:
+            continue
+        new_nodes = _reduce_to_input_shape(proto, node, axes, len(result) - len(source), opset)
+        for offset, new in enumerate(new_nodes):
+            proto.graph.node.insert(position + offset, new)
+        position += len(new_nodes)
+        repaired += 1
+        logger.info(
+            "reduced the gradient of Where %r's input %r over broadcast axes %s (ONNX Runtime's builder left it "
+            "in the output's shape)", owner.name, owner.input[index], axes
+        )
+    return repaired
+
+
+def _where_gradient_input(node: onnx.NodeProto, shapes: dict[str, list]) -> int | None:
+    """Which input of the forward Where this gradient Where is for: the position of dY;
+    the other branch is the builder's zero (a one-element ``ZeroConstant*`` initializer)."""
+
+    def is_zero(name: str) -> bool:
+        return name.startswith("ZeroConstant") and shapes.get(name) in ([], [1])
+
+    if is_zero(node.input[2]) and not is_zero(node.input[1]):
+        return 1
+    if is_zero(node.input[1]) and not is_zero(node.input[2]):
+        return 2
+    return None
+
+
+def _reduce_to_input_shape(
+    proto: onnx.ModelProto, node: onnx.NodeProto, axes: list[int], lead: int, opset: int
+) -> list[onnx.NodeProto]:
+    """Rename ``node``'s output and compute the original name from it, reduced over
+    ``axes`` and without its first ``lead`` axes."""
+    grad = node.output[0]
+    unreduced = f"{grad}_ortpass_unreduced"
+    node.output[0] = unreduced
+    stem = f"{node.name}/ortpass_broadcast"
+    reduced = f"{grad}_ortpass_reduced" if lead else grad
+    nodes = [_axes_node("ReduceSum", unreduced, reduced, axes, f"{stem}/ReduceSum", proto, opset, keepdims=1)]
+    if lead:
+        nodes.append(_axes_node("Squeeze", reduced, grad, list(range(lead)), f"{stem}/Squeeze", proto, opset))
+    return nodes
+
+
+def _axes_node(
+    op: str, x: str, y: str, axes: list[int], name: str, proto: onnx.ModelProto, opset: int, **attrs: int
+) -> onnx.NodeProto:
+    """``op`` over ``axes``: an int64 initializer input from opset 13, an attribute before."""
+    if opset < 13:
+        return onnx.helper.make_node(op, [x], [y], name=name, axes=axes, **attrs)
+    axes_name = f"{name}/axes"
+    proto.graph.initializer.append(onnx.helper.make_tensor(axes_name, onnx.TensorProto.INT64, [len(axes)], axes))
+    return onnx.helper.make_node(op, [x, axes_name], [y], name=name, **attrs)
+
+
+def _check_gradient_shapes(proto: onnx.ModelProto, gradients: dict[str, str]) -> None:
+    """Refuse, naming the parameter, a gradient whose static shape is not its parameter's
+    (the shapes ORT's builder and onnx's inference give the gradient outputs)."""
+    shapes = _static_shapes(proto)
+    for param, grad in gradients.items():
+        want, got = shapes.get(param), shapes.get(grad)
+        if want is None or got is None or any(not isinstance(d, int) for d in (*want, *got)):
+            continue
+        if list(want) != list(got):
+            raise TrainingGraphError(
+                f"the gradient of parameter {param!r} has shape {list(got)}, not the parameter's {list(want)}: "
+                "ONNX Runtime's gradient builder got a broadcast wrong"
+            )
 
 
 def _order_outputs(proto: onnx.ModelProto, first: Sequence[str]) -> None:
