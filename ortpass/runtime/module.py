@@ -103,6 +103,9 @@ def _describe_tensor(t: torch.Tensor) -> str:
 
 
 def _path_name(path: tuple) -> str:
+    """``extra['bias']`` for the arguments' paths (the first key is a parameter name)."""
+    if path and isinstance(path[0], pytree.MappingKey):
+        return f"{path[0].key}{pytree.keystr(path[1:])}"
     return pytree.keystr(path).lstrip(".")
 
 
