@@ -197,7 +197,7 @@ def test_transitions_re_export_only_when_the_schema_changes(caplog):
         with torch.no_grad():
             loss = wrapped(ids, labels)
         assert loss.item() == pytest.approx(reference.eval()(ids, labels).item(), rel=1e-5)
-        assert not loss.requires_grad
+        assert not loss.requires_grad and not model.training  # the eval export left the module in eval
         wrapped.train()
         wrapped(ids, labels)
         model.head.bias.requires_grad_(False)
@@ -417,3 +417,35 @@ def test_a_stale_or_foreign_cache_entry_is_never_used(tmp_path):
     again = ORTModule(GPTDecoder(vocab=64, hidden=32, heads=4, layers=2, dropout=0.0), cache_dir=tmp_path)
     again(ids, labels)
     assert again.graph_builds == 1
+
+
+def test_the_readme_first_example_trains_with_a_torch_optimizer(tmp_path, monkeypatch, capsys):
+    import re
+
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    example = re.search(r"```python\n(.*?)```", text, re.S).group(1)  # the README's first Python block
+    assert "ORTModule(" in example and "torch.optim." in example
+    monkeypatch.chdir(tmp_path)
+    torch.manual_seed(0)
+    namespace: dict = {}
+    exec(compile(example, "README.md", "exec"), namespace)
+    assert namespace["model"].graph_builds == 1
+    assert "loss after 20 steps" in capsys.readouterr().out
+    assert all(p.grad is None for p in namespace["model"].parameters())  # zero_grad after the last step
+
+
+@pytest.mark.slow
+def test_the_training_benchmark_runs_on_a_tiny_model(monkeypatch):
+    import importlib.util
+
+    monkeypatch.setenv("ORTPASS_BENCH_TINY", "1")
+    spec = importlib.util.spec_from_file_location("bench_train_wrapper", REPO / "benchmarks" / "train_wrapper.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.SEQ == 16
+    results = bench.run(1, ["wrapper", "session", "lora_frozen"])
+    configs = results["configs"]
+    assert set(configs) == {"wrapper", "session", "lora_frozen"}
+    assert configs["lora_frozen"]["trainable_parameters"] < configs["wrapper"]["trainable_parameters"]
+    assert all(c["step_seconds"] > 0 for c in configs.values())
+    assert "Wrapper step time over the bare session" in bench.markdown(results)

@@ -187,6 +187,9 @@ class _FlatCall(torch.nn.Module):
     def __init__(self, module: torch.nn.Module, leaves: list[tuple[str, Any]], spec: Any, bound: inspect.BoundArguments):
         super().__init__()
         setattr(self, _INNER, module)
+        # The exporter restores the wrapper's mode after exporting, recursively: it must be
+        # the module's (set without recursing, so the submodules keep theirs).
+        self.training = module.training
         self._leaves, self._spec, self._signature = leaves, spec, bound.signature
         self.output_spec: str | None = None  # serialized, for the cache
         self.output_tree: Any = None
@@ -440,8 +443,8 @@ class ORTModule(torch.nn.Module):
         graph = self.transitions.graph_for(schema, lambda s: self._build(s, leaves, spec, bound))
         tensors = [leaf for _, leaf in leaves if isinstance(leaf, torch.Tensor)]
         feeds = {name: _to_ortvalue(t) for name, t in zip(graph.tensor_inputs, tensors) if name is not None}
-        state = dict(self.module.named_parameters())
-        state.update(self.module.named_buffers())
+        state = dict(self.module.named_parameters(remove_duplicate=False))  # a tied weight by either name
+        state.update(self.module.named_buffers(remove_duplicate=False))
         for graph_name, state_name in graph.state_inputs:
             feeds[graph_name] = _to_ortvalue(state[state_name])
         if not graph.training:
@@ -496,7 +499,8 @@ class ORTModule(torch.nn.Module):
         names = [_graph_input_name(name, taken) for name, leaf in leaves if isinstance(leaf, torch.Tensor)]
         tensors = [leaf for _, leaf in leaves if isinstance(leaf, torch.Tensor)]
         dynamic = {name: {axis: f"{name}_dim{axis}" for axis in range(t.dim())} for name, t in zip(names, tensors)}
-        state = {f"{_INNER}.{n}": t for n, t in [*self.module.named_parameters(), *self.module.named_buffers()]}
+        named = [*self.module.named_parameters(remove_duplicate=False), *self.module.named_buffers(remove_duplicate=False)]
+        state = {f"{_INNER}.{n}": t for n, t in named}
         versions = {name: t._version for name, t in state.items()}
         with _checkpointing_disabled(self.module, self._notice_checkpointing):
             model = export(
