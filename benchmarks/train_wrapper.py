@@ -9,7 +9,8 @@ Configurations, each in a fresh process:
 - ``wrapper``: ``ORTModule(model)`` with the default pipeline (recompute level 1 ...);
   a step is ``model(ids, labels).backward()``, gradients into ``.grad``;
 - ``session``: the same export and pipeline run by hand: ``TrainingSession.run`` on the
-  batch, numpy gradients (what ortpass offered before the wrapper);
+  batch, numpy gradients (what ortpass offered before the wrapper); ``session_dynamic``
+  the same with every input dim dynamic, as the wrapper exports;
 - ``torch`` and ``torch_ckpt``: torch eager, without and with transformers' gradient
   checkpointing (``gradient_checkpointing_enable()``);
 - ``lora_frozen`` and ``lora_full``: the wrapper on GPT-2 with rank-8 adapters on every
@@ -27,7 +28,8 @@ adds time).
 
 Usage: ``python benchmarks/train_wrapper.py [--steps 5]``; writes ``train_wrapper.json``
 and ``train_wrapper.md`` next to this script.  ``ORTPASS_BENCH_TINY=1`` runs a tiny model
-(the test suite's smoke run).
+(the test suite's smoke run); ``ORTPASS_BENCH_PIPELINE=SPEC`` runs the wrapper
+configurations with another pipeline.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ if os.environ.get("ORTPASS_BENCH_TINY") == "1":
 CONFIGS = [
     ("wrapper", "ORTModule, default pipeline"),
     ("session", "bare TrainingSession loop, default pipeline"),
+    ("session_dynamic", "bare TrainingSession loop, every input dim dynamic (as the wrapper exports)"),
     ("torch", "torch eager"),
     ("torch_ckpt", "torch eager + gradient checkpointing"),
     ("lora_frozen", "ORTModule, LoRA adapters, base frozen"),
@@ -128,13 +131,15 @@ def child(key: str, steps: int) -> dict:
             p.requires_grad_(name.endswith((".a", ".b")))
     losses: list[float] = []
     setup_start = time.perf_counter()
-    if key == "session":
+    if key.startswith("session"):
         import ortpass
         from ortpass.export import export
         from ortpass.runtime import TrainingSession
 
         _arena_off()
-        forward = export(model, (ids, labels), input_names=["input_ids", "labels"])
+        names = ["input_ids", "labels"]
+        dynamic = {name: {0: f"{name}_dim0", 1: f"{name}_dim1"} for name in names} if key == "session_dynamic" else None
+        forward = export(model, (ids, labels), input_names=names, dynamic_axes=dynamic)
         session = TrainingSession(ortpass.pipeline(DEFAULT_PIPELINE)(forward).model)
         feeds = {"input_ids": ids.numpy(), "labels": labels.numpy()}
 
@@ -149,7 +154,7 @@ def child(key: str, steps: int) -> dict:
             from ortpass import ORTModule
 
             _arena_off()
-            model = ORTModule(model)
+            model = ORTModule(model, pipeline=os.environ.get("ORTPASS_BENCH_PIPELINE") or None)
             model(ids, labels)  # export, pipeline, session: setup, not a step
 
         def step():

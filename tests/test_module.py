@@ -449,3 +449,22 @@ def test_the_training_benchmark_runs_on_a_tiny_model(monkeypatch):
     assert configs["lora_frozen"]["trainable_parameters"] < configs["wrapper"]["trainable_parameters"]
     assert all(c["step_seconds"] > 0 for c in configs.values())
     assert "Wrapper step time over the bare session" in bench.markdown(results)
+
+
+def test_gradients_become_grad_without_a_copy(monkeypatch):
+    from ortpass.runtime import module as module_module
+
+    handed = []
+    backward = module_module._OrtStep.backward
+
+    def recording_backward(ctx, grad_loss, *rest):
+        gradients = backward(ctx, grad_loss, *rest)
+        handed.extend(g.data_ptr() for g in gradients[1:])
+        return gradients
+
+    monkeypatch.setattr(module_module._OrtStep, "backward", staticmethod(recording_backward))
+    wrapped = ORTModule(GPTDecoder(vocab=64, hidden=32, heads=4, layers=1, dropout=0.0))
+    wrapped(*_decoder_batch(2)).backward()
+    graph = wrapped.transitions._graphs[wrapped.transitions.current]
+    params = dict(wrapped.module.named_parameters())
+    assert [params[name].grad.data_ptr() for name in graph.params] == handed  # ORT's buffers are .grad

@@ -38,15 +38,10 @@ Not supported: modules that update their own parameters or buffers in forward
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import hashlib
-import inspect
-import json
 import logging
 import os
 import re
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -56,220 +51,19 @@ import torch
 import torch.utils._pytree as pytree
 
 from ortpass.errors import OrtpassError
+from ortpass.runtime.module.cache import cache_key_material, load_cached, store_cached
+from ortpass.runtime.module.flat import INNER, FlatCall, checkpointing_disabled
+from ortpass.runtime.module.transitions import (
+    GraphTransitionManager,
+    InputSchema,
+    bind_arguments,
+    flatten_arguments,
+    input_schema,
+)
 
 __all__ = ["GraphTransitionManager", "InputSchema", "ORTModule"]
 
 logger = logging.getLogger(__name__)
-
-#: Python values the exporter bakes into the graph as constants (part of the schema).
-_CONSTANT_TYPES = (bool, int, float, str, type(None))
-_INNER = "module"  # attribute holding the user's module inside the export wrapper
-_CACHE_FORMAT = 1
-
-
-# -- the input schema -------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class InputSchema:
-    """What decides the graph: two calls with equal schemas run the same graph."""
-
-    structure: str  # the pytree spec of the bound arguments
-    leaves: tuple[tuple[str, str, str], ...]  # (argument path, "tensor"/"constant", dtype+rank or repr)
-    trainable: tuple[str, ...]
-    training: bool
-
-    def difference(self, previous: InputSchema | None) -> str:
-        """Why a graph built for ``previous`` does not serve this schema, in words."""
-        if previous is None:
-            return "first call"
-        if self.training != previous.training:
-            return f"training changed {previous.training} -> {self.training} ({'train' if self.training else 'eval'} graph)"
-        if self.trainable != previous.trainable:
-            added = sorted(set(self.trainable) - set(previous.trainable))
-            removed = sorted(set(previous.trainable) - set(self.trainable))
-            return f"trainable parameters changed: +{added} -{removed}"
-        old, new = {p: (k, d) for p, k, d in previous.leaves}, {p: (k, d) for p, k, d in self.leaves}
-        if set(new) - set(old) or set(old) - set(new):
-            return f"arguments changed: new {sorted(set(new) - set(old))}, gone {sorted(set(old) - set(new))}"
-        for path, (kind, detail) in new.items():
-            if old[path] != (kind, detail):
-                return f"argument {path} changed: {old[path][0]} {old[path][1]} -> {kind} {detail}"
-        return "argument structure changed"
-
-
-def _describe_tensor(t: torch.Tensor) -> str:
-    return f"{str(t.dtype).removeprefix('torch.')}[rank {t.dim()}]"
-
-
-def _path_name(path: tuple) -> str:
-    """``extra['bias']`` for the arguments' paths (the first key is a parameter name)."""
-    if path and isinstance(path[0], pytree.MappingKey):
-        return f"{path[0].key}{pytree.keystr(path[1:])}"
-    return pytree.keystr(path).lstrip(".")
-
-
-def bind_arguments(module: torch.nn.Module, args: tuple, kwargs: dict) -> inspect.BoundArguments:
-    """The call's arguments by parameter name of ``module.forward``."""
-    try:
-        return inspect.signature(module.forward).bind(*args, **kwargs)
-    except TypeError as exc:
-        raise OrtpassError(f"{type(module).__name__}.forward does not take these arguments: {exc}") from exc
-
-
-def flatten_arguments(module: torch.nn.Module, bound: inspect.BoundArguments) -> tuple[list[tuple[str, Any]], Any]:
-    """(argument path, leaf) pairs and the pytree spec; refuses leaves the exporter cannot see."""
-    with_paths, spec = pytree.tree_flatten_with_path(dict(bound.arguments))
-    leaves = []
-    for path, leaf in with_paths:
-        name = _path_name(path)
-        if isinstance(leaf, torch.Tensor):
-            if leaf.requires_grad:
-                raise OrtpassError(
-                    f"argument {name} of {type(module).__name__} requires grad: ORTModule computes gradients "
-                    "for the module's parameters only; pass it detached"
-                )
-        elif not isinstance(leaf, _CONSTANT_TYPES):
-            raise OrtpassError(
-                f"argument {name} of {type(module).__name__} is a {type(leaf).__name__}, which the ONNX exporter "
-                "cannot see: pass tensors, Python scalars, strings or None, nested in tuples, lists and dicts"
-            )
-        leaves.append((name, leaf))
-    return leaves, spec
-
-
-def input_schema(module: torch.nn.Module, leaves: list[tuple[str, Any]], spec: Any) -> InputSchema:
-    described = tuple(
-        (name, "tensor", _describe_tensor(leaf)) if isinstance(leaf, torch.Tensor) else (name, "constant", repr(leaf))
-        for name, leaf in leaves
-    )
-    trainable = tuple(name for name, p in module.named_parameters() if p.requires_grad)
-    return InputSchema(str(spec), described, trainable, module.training)
-
-
-# -- transitions ------------------------------------------------------------------------------
-
-
-class GraphTransitionManager:
-    """Decides, in one place, whether a call runs the current graph, one built before, or
-    a new export; logs every transition with its reason."""
-
-    def __init__(self) -> None:
-        self._graphs: dict[InputSchema, Any] = {}
-        self.current: InputSchema | None = None
-        self.transitions: list[tuple[str, str]] = []  # (action, reason): "export"/"load"/"switch"
-
-    def graph_for(self, schema: InputSchema, build: Callable[[InputSchema], tuple[Any, str]]) -> Any:
-        if schema == self.current:
-            return self._graphs[schema]
-        reason = schema.difference(self.current)
-        if schema in self._graphs:
-            self._record("switch", f"back to a graph built before: {reason}")
-        else:
-            graph, action = build(schema)
-            self._graphs[schema] = graph
-            self._record(action, reason)
-        self.current = schema
-        return self._graphs[schema]
-
-    def _record(self, action: str, reason: str) -> None:
-        self.transitions.append((action, reason))
-        logger.info("ORTModule graph %s: %s", action, reason)
-
-
-# -- the export wrapper -----------------------------------------------------------------------
-
-
-class _FlatCall(torch.nn.Module):
-    """Runs the user's module from flat tensors (what the exporter feeds) and returns flat
-    tensors: the loss first in training, then the output's other tensors."""
-
-    def __init__(self, module: torch.nn.Module, leaves: list[tuple[str, Any]], spec: Any, bound: inspect.BoundArguments):
-        super().__init__()
-        setattr(self, _INNER, module)
-        # The exporter restores the wrapper's mode after exporting, recursively: it must be
-        # the module's (set without recursing, so the submodules keep theirs).
-        self.training = module.training
-        self._leaves, self._spec, self._signature = leaves, spec, bound.signature
-        self.output_spec: str | None = None  # serialized, for the cache
-        self.output_tree: Any = None
-        self.output_leaves: list[tuple[str, str]] = []  # (output path, "loss"/"tensor"/"none")
-
-    def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        module = getattr(self, _INNER)
-        feed = iter(tensors)
-        values = [next(feed) if isinstance(leaf, torch.Tensor) else leaf for _, leaf in self._leaves]
-        arguments = pytree.tree_unflatten(values, self._spec)
-        bound = inspect.BoundArguments(self._signature, arguments)
-        return self._flat_outputs(module, module(*bound.args, **bound.kwargs))
-
-    def _flat_outputs(self, module: torch.nn.Module, output: Any) -> tuple[torch.Tensor, ...]:
-        with_paths, self.output_tree = pytree.tree_flatten_with_path(output)
-        try:
-            self.output_spec = pytree.treespec_dumps(self.output_tree)
-        except Exception as exc:  # a structure pytree cannot serialize: runnable, not cacheable
-            logger.debug("output structure of %s cannot be serialized: %s", type(module).__name__, exc)
-        kinds, tensors, loss = [], [], None
-        for path, leaf in with_paths:
-            name = _path_name(path) or "output"
-            if leaf is None:
-                kinds.append((name, "none"))
-            elif not isinstance(leaf, torch.Tensor):
-                raise OrtpassError(
-                    f"{type(module).__name__}.forward returned {name} = {type(leaf).__name__}: ORTModule returns "
-                    "tensors only (pass use_cache=False to transformers models in training)"
-                )
-            elif self.training and loss is None and _is_loss_path(path):
-                loss = leaf
-                kinds.append((name, "loss"))
-            else:  # in eval the loss, if any, is one output among others
-                tensors.append(leaf)
-                kinds.append((name, "tensor"))
-        if self.training and loss is None:
-            raise OrtpassError(
-                f"{type(module).__name__}.forward returned no loss ({type(output).__name__}): ORTModule trains "
-                "modules whose forward returns a scalar loss tensor or a structure with a `loss` field"
-            )
-        if loss is not None and (loss.dim() != 0 or not loss.is_floating_point()):
-            raise OrtpassError(
-                f"the loss of {type(module).__name__} must be a floating-point scalar, got "
-                f"{_describe_tensor(loss)} of shape {tuple(loss.shape)}"
-            )
-        self.output_leaves = kinds
-        return (loss, *tensors) if loss is not None else tuple(tensors)
-
-
-def _is_loss_path(path: tuple) -> bool:
-    if not path:  # the output is the tensor itself
-        return True
-    return len(path) == 1 and getattr(path[0], "key", getattr(path[0], "name", None)) == "loss"
-
-
-@contextlib.contextmanager
-def _checkpointing_disabled(module: torch.nn.Module, notice: Callable[[str], None]):
-    """``torch.utils.checkpoint`` becomes a plain call while exporting (the exporter would
-    otherwise trace its reentrant autograd Function as a PythonOp), and transformers'
-    ``gradient_checkpointing`` flags are off."""
-    import torch.utils.checkpoint as checkpoint_module
-
-    original = checkpoint_module.checkpoint
-    flagged = [m for m in module.modules() if getattr(m, "gradient_checkpointing", False) is True]
-    if flagged:
-        notice(f"gradient checkpointing of {type(module).__name__} ({len(flagged)} modules)")
-
-    def plain_call(function, *args, use_reentrant=None, context_fn=None, determinism_check=None, debug=None, **kwargs):
-        notice("torch.utils.checkpoint")
-        return function(*args, **kwargs)
-
-    checkpoint_module.checkpoint = plain_call
-    for m in flagged:
-        m.gradient_checkpointing = False
-    try:
-        yield
-    finally:
-        checkpoint_module.checkpoint = original
-        for m in flagged:
-            m.gradient_checkpointing = True
 
 
 # -- graphs and sessions ----------------------------------------------------------------------
@@ -481,33 +275,33 @@ class ORTModule(torch.nn.Module):
         warnings.warn(message, stacklevel=4)
 
     def _build(self, schema: InputSchema, leaves, spec, bound) -> tuple[_Graph, str]:
-        key_material = _cache_key_material(self.module, schema, self.pipeline if schema.training else "eval", self.opset)
-        cached = _load_cached(self.cache_dir, key_material) if self.cache_dir is not None else None
+        key_material = cache_key_material(self.module, schema, self.pipeline if schema.training else "eval", self.opset)
+        cached = load_cached(self.cache_dir, key_material) if self.cache_dir is not None else None
         if cached is not None:
             model, meta = cached
             return self._graph_from(model, meta), "load"
         model, meta, output_tree = self._export_and_optimize(schema, leaves, spec, bound)
         if self.cache_dir is not None:
-            _store_cached(self.cache_dir, key_material, model, meta)
+            store_cached(self.cache_dir, key_material, model, meta)
         return self._graph_from(model, meta, output_tree), "export"
 
     def _export_and_optimize(self, schema: InputSchema, leaves, spec, bound) -> tuple[ir.Model, dict, Any]:
         from ortpass.export import export
 
-        flat = _FlatCall(self.module, leaves, spec, bound)
+        flat = FlatCall(self.module, leaves, spec, bound)
         taken: set[str] = set()
         names = [_graph_input_name(name, taken) for name, leaf in leaves if isinstance(leaf, torch.Tensor)]
         tensors = [leaf for _, leaf in leaves if isinstance(leaf, torch.Tensor)]
         dynamic = {name: {axis: f"{name}_dim{axis}" for axis in range(t.dim())} for name, t in zip(names, tensors)}
         named = [*self.module.named_parameters(remove_duplicate=False), *self.module.named_buffers(remove_duplicate=False)]
-        state = {f"{_INNER}.{n}": t for n, t in named}
+        state = {f"{INNER}.{n}": t for n, t in named}
         versions = {name: t._version for name, t in state.items()}
-        with _checkpointing_disabled(self.module, self._notice_checkpointing):
+        with checkpointing_disabled(self.module, self._notice_checkpointing):
             model = export(
                 flat, tuple(tensors), input_names=names, loss_name="loss" if schema.training else "output_0",
                 opset=self.opset, dynamic_axes=dynamic, training=schema.training,
             )  # fmt: skip
-        changed = [name.removeprefix(f"{_INNER}.") for name, t in state.items() if t._version != versions[name]]
+        changed = [name.removeprefix(f"{INNER}.") for name, t in state.items() if t._version != versions[name]]
         if changed:
             raise OrtpassError(
                 f"{type(self.module).__name__}.forward updates {changed} in place; ORTModule cannot run a graph "
@@ -525,7 +319,7 @@ class ORTModule(torch.nn.Module):
         meta = {
             "training": schema.training,
             "tensor_inputs": [n if n in graph_inputs else None for n in names],
-            "state_inputs": [[n, n.removeprefix(f"{_INNER}.")] for n in stripped if n in graph_inputs],
+            "state_inputs": [[n, n.removeprefix(f"{INNER}.")] for n in stripped if n in graph_inputs],
             "outputs": outputs,
             "output_spec": flat.output_spec,
             "output_leaves": flat.output_leaves,
@@ -538,7 +332,7 @@ class ORTModule(torch.nn.Module):
         output_spec = output_tree if output_tree is not None else pytree.treespec_loads(meta["output_spec"])
         if meta["training"]:
             session = TrainingSession(model, self.providers)
-            prefix = f"{_INNER}."
+            prefix = f"{INNER}."
             params = [p.removeprefix(prefix) for p in session.info.params]
             gradient_outputs = list(session.info.gradients.values())
         else:
@@ -554,93 +348,3 @@ class ORTModule(torch.nn.Module):
             output_spec=output_spec,
             output_leaves=[tuple(pair) for pair in meta["output_leaves"]],
         )
-
-
-# -- the on-disk cache ------------------------------------------------------------------------
-
-
-def _cache_key_material(module: torch.nn.Module, schema: InputSchema, pipeline: str, opset: int) -> dict:
-    """Everything that changes the graph; its hash names the cache entry, and the entry
-    keeps it whole to compare on load."""
-    import onnx
-    import onnxruntime
-
-    import ortpass
-
-    classes = {type(m) for m in module.modules()}
-    sources = {}
-    for cls in sorted(classes, key=lambda c: f"{c.__module__}.{c.__qualname__}"):
-        try:  # the forward code decides the graph as much as the structure does
-            text = inspect.getsource(cls)
-        except (OSError, TypeError):
-            text = ""
-        sources[f"{cls.__module__}.{cls.__qualname__}"] = hashlib.sha256(text.encode()).hexdigest()
-    config = getattr(module, "config", None)
-    return {
-        "format": _CACHE_FORMAT,
-        "structure": repr(module),
-        "classes": sources,
-        "config": config.to_json_string() if hasattr(config, "to_json_string") else None,
-        "parameters": [[n, list(p.shape), str(p.dtype), p.requires_grad] for n, p in module.named_parameters()],
-        "buffers": [[n, list(b.shape), str(b.dtype)] for n, b in module.named_buffers()],
-        "schema": dataclasses.asdict(schema),
-        "pipeline": pipeline,
-        "opset": opset,
-        "versions": {
-            "torch": torch.__version__, "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__,
-            "onnx_ir": ir.__version__, "ortpass": ortpass.__version__,
-        },
-    }  # fmt: skip
-
-
-def _entry_paths(cache_dir: Path, material: dict) -> tuple[Path, Path]:
-    digest = hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:32]
-    return cache_dir / f"{digest}.onnx", cache_dir / f"{digest}.json"
-
-
-def _load_cached(cache_dir: Path, material: dict) -> tuple[ir.Model, dict] | None:
-    model_path, meta_path = _entry_paths(cache_dir, material)
-    if not (model_path.is_file() and meta_path.is_file()):
-        return None
-    try:
-        meta = json.loads(meta_path.read_text())
-        if meta.get("key") != json.loads(json.dumps(material)):
-            logger.info("ORTModule cache entry %s is for another key; not used", meta_path.name)
-            return None
-        model = ir.load(model_path)
-    except Exception as exc:  # a damaged entry is rebuilt, never trusted
-        logger.warning("ORTModule cache entry %s cannot be read (%s); exporting again", model_path, exc)
-        return None
-    _register_own_functions(model)
-    return model, meta["graph"]
-
-
-def _register_own_functions(model: ir.Model) -> None:
-    """A loaded graph may call ortpass's own density Function; nothing else is registered."""
-    from ortpass.runtime import bridge
-
-    if any("FlagAndPrintDensity" in name for name in bridge.pythonop_func_names(model)):
-        from ortpass.export.density import FlagAndPrintDensity
-
-        bridge.register_function(FlagAndPrintDensity)
-
-
-def _store_cached(cache_dir: Path, material: dict, model: ir.Model, meta: dict) -> None:
-    if meta["output_spec"] is None:
-        logger.warning("ORTModule: the output structure cannot be serialized; the graph is not cached")
-        return
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    model_path, meta_path = _entry_paths(cache_dir, material)
-    # Write to temporary files and rename: another process never reads half an entry.
-    for path, write in ((model_path, lambda p: ir.save(model, p)),
-                        (meta_path, lambda p: Path(p).write_text(json.dumps({"key": material, "graph": meta})))):  # fmt: skip
-        fd, tmp = tempfile.mkstemp(dir=cache_dir, suffix=path.suffix)
-        os.close(fd)
-        try:
-            write(tmp)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    logger.info("ORTModule cached the graph as %s", model_path.name)
-
