@@ -79,6 +79,20 @@ def test_symbolics_are_only_registered_during_export():
     assert group is None or group.get(17) is None
 
 
+def test_a_symbolic_registered_with_torch_before_the_export_is_restored_after():
+    from torch.onnx._internal.torchscript_exporter import registration
+
+    def users_own(g, x, n, dim, prepend, append):
+        raise AssertionError("ortpass's symbolic should win during export")
+
+    torch.onnx.register_custom_op_symbolic("aten::diff", users_own, 17)
+    try:
+        export(DiffLoss(), (torch.randn(3, 8), torch.arange(8).repeat(3, 1)), input_names=["x", "positions"])
+        assert registration.registry.get_function_group("aten::diff").get(17) is users_own
+    finally:
+        torch.onnx.unregister_custom_op_symbolic("aten::diff", 17)
+
+
 def test_registered_symbolic_is_used_and_unregistered():
     class Erfinv(torch.nn.Module):
         def forward(self, x):

@@ -123,3 +123,31 @@ def test_training_graph_gives_inv_std_a_shape():
     (norm,) = [n for n in training.graph if n.op_type == "SimplifiedLayerNormalization"]
     inv_std = norm.outputs[1]
     assert inv_std.shape is not None and list(inv_std.shape) == [ir.SymbolicDim("batch"), ir.SymbolicDim("seq"), 1]
+
+
+class _PoolingClassifier(torch.nn.Module):
+    """Conv -> ReLU -> MaxPool -> AveragePool -> Linear -> cross-entropy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(1, 4, 3, padding=1)
+        self.fc = torch.nn.Linear(4 * 4 * 4, 3)
+
+    def forward(self, x, labels):
+        h = torch.nn.functional.max_pool2d(torch.relu(self.conv(x)), 2)
+        h = torch.nn.functional.avg_pool2d(h, 2)
+        return torch.nn.functional.cross_entropy(self.fc(h.flatten(1)), labels)
+
+
+def test_pooling_gradients_pass_the_checks():
+    """ORT's builder emits MaxPoolGrad and AveragePoolGrad in the ONNX domain; the checked
+    pipeline refused them ("No Op registered for AveragePoolGrad")."""
+    torch.manual_seed(0)
+    module = _PoolingClassifier()
+    args = (torch.randn(2, 1, 16, 16), torch.tensor([0, 2]))
+    forward = export(module, args, input_names=["x", "labels"])
+    for mode in ("incremental", "full"):
+        result = ortpass.pipeline("build-training-graph", check=mode)(forward)
+    ops = {(n.domain, n.op_type) for n in result.model.graph}
+    assert {("", "MaxPoolGrad"), ("", "AveragePoolGrad")} <= ops
+    check_parity(module, args, result.model, input_names=["x", "labels"]).assert_ok()

@@ -35,6 +35,8 @@ transformers = pytest.importorskip("transformers")
 
 import ortpass  # noqa: E402
 from ortpass.analysis.partition import get_training_info  # noqa: E402
+from ortpass.analysis.recompute import find_recompute_candidates  # noqa: E402
+from ortpass.metadata import get_export_info  # noqa: E402
 from ortpass.cli import DEFAULT_PIPELINE, main  # noqa: E402
 from ortpass.export import export  # noqa: E402
 from ortpass.runtime import TrainingSession  # noqa: E402
@@ -79,6 +81,17 @@ FAMILIES: dict[str, Family] = {
     "llama": Family(lambda p: transformers.LlamaConfig(**_causal_common(p)), "LlamaForCausalLM", "causal"),
     "mistral": Family(lambda p: transformers.MistralConfig(**_causal_common(p)), "MistralForCausalLM", "causal"),
     "qwen2": Family(lambda p: transformers.Qwen2Config(**_causal_common(p)), "Qwen2ForCausalLM", "causal"),
+    "gemma": Family(lambda p: transformers.GemmaConfig(**_causal_common(p), head_dim=HIDDEN // HEADS),
+                    "GemmaForCausalLM", "causal"),
+    "phi3": Family(lambda p: transformers.Phi3Config(**_causal_common(p), pad_token_id=0), "Phi3ForCausalLM", "causal"),
+    "gptj": Family(lambda p: transformers.GPTJConfig(
+        vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_positions=POSITIONS, rotary_dim=8,
+        resid_pdrop=p, embd_pdrop=p, attn_pdrop=p, use_cache=False, bos_token_id=0, eos_token_id=0,
+    ), "GPTJForCausalLM", "causal"),
+    "falcon": Family(lambda p: transformers.FalconConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+        attention_dropout=p, hidden_dropout=p, use_cache=False, bos_token_id=0, eos_token_id=0,
+    ), "FalconForCausalLM", "causal"),
     "bert": Family(lambda p: transformers.BertConfig(
         vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
         intermediate_size=FFN, max_position_embeddings=POSITIONS, hidden_dropout_prob=p,
@@ -89,6 +102,16 @@ FAMILIES: dict[str, Family] = {
         intermediate_size=FFN, max_position_embeddings=POSITIONS + 2, hidden_dropout_prob=p,
         attention_probs_dropout_prob=p, pad_token_id=1,
     ), "RobertaForMaskedLM", "mlm"),
+    "electra": Family(lambda p: transformers.ElectraConfig(
+        vocab_size=VOCAB, embedding_size=HIDDEN, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, intermediate_size=FFN, max_position_embeddings=POSITIONS,
+        hidden_dropout_prob=p, attention_probs_dropout_prob=p,
+    ), "ElectraForMaskedLM", "mlm"),
+    "albert": Family(lambda p: transformers.AlbertConfig(
+        vocab_size=VOCAB, embedding_size=HIDDEN, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, intermediate_size=FFN, max_position_embeddings=POSITIONS,
+        hidden_dropout_prob=p, attention_probs_dropout_prob=p,
+    ), "AlbertForMaskedLM", "mlm"),
     "distilbert": Family(lambda p: transformers.DistilBertConfig(
         vocab_size=VOCAB, dim=HIDDEN, n_layers=LAYERS, n_heads=HEADS, hidden_dim=FFN,
         max_position_embeddings=POSITIONS, dropout=p, attention_dropout=p,
@@ -185,8 +208,9 @@ def test_cli_optimize_gives_the_same_step(exported, tmp_path):
     source, target = tmp_path / f"{exported.name}.onnx", tmp_path / f"{exported.name}.train.onnx"
     ir.save(exported.forward, source)
     assert main(["-q", "optimize", str(source), "-o", str(target)]) == 0
-    from_cli = TrainingSession(ir.load(target)).run(exported.feeds)
-    from_python = TrainingSession(exported.trained).run(exported.feeds)
+    # One thread: bitwise reproducible (GatherGrad sums in thread order otherwise).
+    from_cli = TrainingSession(ir.load(target), threads=1).run(exported.feeds)
+    from_python = TrainingSession(exported.trained, threads=1).run(exported.feeds)
     assert from_cli.loss == from_python.loss
     for name, gradient in from_python.gradients.items():
         np.testing.assert_array_equal(from_cli.gradients[name], gradient, err_msg=name)
@@ -201,8 +225,45 @@ def test_recompute_applies(exported):
 def test_report_plot(exported, tmp_path):
     model_path, plot = tmp_path / "trained.onnx", tmp_path / "timeline.png"
     ir.save(exported.trained, model_path)
-    assert main(["-q", "report", str(model_path), "--plot", str(plot), "--min-elements", "0"]) == 0
+    data_dependent = _valid_label_dims(exported)
+    # MLM labels are gathered, and the gathered rows keep the gather's dim name.
+    assert bool(data_dependent) == (FAMILIES[exported.name].labels == "mlm")
+    # The rows left after the label gather are counted at run time; the plot needs that count.
+    dim_options = [f"--dim={name}={value}" for name, value in data_dependent.items()]
+    if not data_dependent or _cli_takes_dims():
+        assert main(["-q", "report", str(model_path), "--plot", str(plot), "--min-elements", "0", *dim_options]) == 0
+    else:
+        # A command line without `report --dim`: the table from it (it needs no value), the
+        # plot from Python.
+        assert main(["-q", "report", str(model_path), "--min-elements", "0"]) == 0
+        dims = {**get_export_info(exported.trained)["dims"], **data_dependent}
+        find_recompute_candidates(exported.trained, dims=dims, min_elements=0).plot(plot)
     assert plot.stat().st_size > 1000
+
+
+def _cli_takes_dims() -> bool:
+    from ortpass.cli import _parser
+
+    try:
+        _parser().parse_args(["report", "model.onnx", "--dim", "n=1"])
+    except SystemExit:
+        return False
+    return True
+
+
+def _valid_label_dims(exported: Exported) -> dict[str, int]:
+    """The dims counting the rows the label gather keeps, each with this batch's count."""
+    valid = int((exported.args[1] != -100).sum())
+    symbols = {
+        dim.value
+        for node in exported.trained.graph
+        for value in node.outputs
+        if value.shape is not None
+        for dim in value.shape
+        if isinstance(dim, ir.SymbolicDim) and dim.value is not None
+    }
+    # The dim the label gather names (the gradient build keeps that name).
+    return {s: valid for s in symbols if s.startswith("valid_label_count_")}
 
 
 def test_recompute_is_bitwise_exact_with_dropout(exported_with_dropout):
@@ -210,8 +271,8 @@ def test_recompute_is_bitwise_exact_with_dropout(exported_with_dropout):
     assert any(node.op_type == "Dropout" for node in exported.trained.graph)
     without = ortpass.pipeline(NO_RECOMPUTE)(exported.forward).model
     assert not any(node.name.endswith("_recompute") for node in without.graph)
-    with_recompute = TrainingSession(exported.trained).run(exported.feeds)
-    plain = TrainingSession(without).run(exported.feeds)
+    with_recompute = TrainingSession(exported.trained, threads=1).run(exported.feeds)
+    plain = TrainingSession(without, threads=1).run(exported.feeds)
     assert with_recompute.loss == plain.loss
     for name, gradient in plain.gradients.items():
         np.testing.assert_array_equal(with_recompute.gradients[name], gradient, err_msg=name)
@@ -220,3 +281,30 @@ def test_recompute_is_bitwise_exact_with_dropout(exported_with_dropout):
 def test_dropout_step_matches_torch_with_masks_replayed(exported_with_dropout):
     exported = exported_with_dropout
     check_parity(exported.module, exported.args, exported.trained, input_names=NAMES).assert_ok()
+
+
+def test_unsupported_family_fails_naming_the_op_the_module_and_the_way_out():
+    # Mixtral's expert routing counts tokens per expert with torch.histc, which the
+    # TorchScript exporter cannot convert (and whose data-dependent expert loop tracing
+    # would freeze); the README's family table quotes this error.
+    config = transformers.MixtralConfig(**_causal_common(0.0), num_local_experts=4, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    module = TrainingCall(transformers.MixtralForCausalLM(config))
+    with pytest.raises(ortpass.errors.ExportError) as failure:
+        export(module, _batch("causal"), input_names=NAMES, dynamic_axes=DYNAMIC)
+    message = str(failure.value)
+    assert "Exporting the operator 'aten::histc'" in message
+    assert "in model.model.layers.0.mlp.experts (MixtralExperts)" in message  # the module that called it
+    assert "ortpass.export.register_symbolic('aten::histc')" in message
+
+
+def test_decoder_with_its_default_kv_cache_matches_torch():
+    # use_cache=True (the config default): the keys come out of a DynamicCache, and
+    # tracing loses their head size, which the grouped-query SDPA export reads.
+    config = FAMILIES["llama"].config(0.0)
+    config.use_cache = True
+    torch.manual_seed(0)
+    module = TrainingCall(transformers.LlamaForCausalLM(config))
+    args = _batch("causal")
+    trained = ortpass.pipeline(DEFAULT_PIPELINE)(export(module, args, input_names=NAMES, dynamic_axes=DYNAMIC)).model
+    check_parity(module, args, trained, input_names=NAMES).assert_ok()

@@ -512,3 +512,99 @@ def test_which_outputs_are_optional(domain, op, opset, expected):
     node = ir.Node(domain, op, [], num_outputs=len(expected))
     opsets = {"": opset, "com.microsoft": 1}
     assert [is_optional_output(node, i, opsets) for i in range(len(expected))] == expected
+
+
+def gemm_reshape_model():
+    """GPT-2's Conv1D as exported: Gemm(x2d, W, b) -> Reshape back to (batch, 16, 64)."""
+    w = oh.make_tensor("W", F32, [64, 64], np.zeros(64 * 64, np.float32))
+    b = oh.make_tensor("B", F32, [64], np.zeros(64, np.float32))
+    shape = oh.make_tensor("shape", I64, [3], [-1, 16, 64])
+    forward = [
+        oh.make_node("Gemm", ["x", "W", "B"], ["g"], name="gemm"),
+        oh.make_node("Reshape", ["g", "shape"], ["r"], name="reshape"),
+    ]
+    return training_graph(
+        forward,
+        [bw("reshape_grad", "r")],
+        [_vi("x", F32, ["batch", 64])],
+        [_vi("g", F32, ["batch", 64]), _vi("r", F32, [None, 16, 64])],
+        [w, b, shape],
+    )
+
+
+def test_gemm_is_recomputable_at_the_advanced_level_as_in_ort():
+    report = analyse(gemm_reshape_model())
+    assert [p.plan_string for p in report.plans] == ["Gemm+Reshape+:1:-1"]
+    (occ,) = report.plans[0].occurrences
+    assert sorted(v.name for v in occ.boundary) == ["B", "W", "shape", "x"]
+    basic = analyse(gemm_reshape_model(), probe_level=ProbeLevel.BASIC)
+    assert basic.plans == [] and "gemm (Gemm) is not recomputable" in basic.skipped[0].reason
+
+
+def isnan_guard_model():
+    """torch's SDPA export: p = Softmax(s); Where(IsNaN(p), 0, p); backward reads p (the
+    softmax gradient), the mask and the guarded copy (the Where and MatMul gradients)."""
+    zero = oh.make_tensor("zero", F32, [], [0.0])
+    forward = [
+        oh.make_node("Softmax", ["s"], ["p"], name="softmax", axis=-1),
+        oh.make_node("IsNaN", ["p"], ["nan"], name="isnan"),
+        oh.make_node("Where", ["nan", "zero", "p"], ["guarded"], name="where"),
+    ]
+    shape = ["batch", 4, 32, 32]
+    return training_graph(
+        forward,
+        [bw("softmax_grad", "p"), bw("where_grad", "nan"), bw("matmul_grad", "guarded")],
+        [_vi("s", F32, shape)],
+        [_vi("p", F32, shape), _vi("nan", BOOL, shape), _vi("guarded", F32, shape)],
+        [zero],
+    )
+
+
+def test_the_sdpa_nan_guard_is_recomputed_from_the_softmax_output():
+    report = analyse(isnan_guard_model())
+    plans = {p.plan_string: p for p in report.plans}
+    assert {"IsNaN+:1:-1", "Where+:1:-1"} <= set(plans)
+    # The mask (1 byte an element) and the float copy (4) are recomputed from p, which
+    # backward keeps anyway.
+    assert plans["IsNaN+:1:-1"].saving_bytes == 8 * 4 * 32 * 32
+    assert plans["Where+:1:-1"].saving_bytes == 8 * 4 * 32 * 32 * 4
+    assert [v.name for v in plans["IsNaN+:1:-1"].occurrences[0].boundary] == ["p"]
+
+
+def test_isnan_is_not_recomputable_when_removed_from_the_table(monkeypatch):
+    from ortpass.analysis import recomputable_ops
+
+    table = dict(recomputable_ops._TABLE)
+    del table[("", "IsNaN")]
+    monkeypatch.setattr(recomputable_ops, "_TABLE", table)
+    report = analyse(isnan_guard_model())
+    assert "IsNaN+:1:-1" not in {p.plan_string for p in report.plans}
+
+
+def simplified_layer_norm_model(inv_std_shape):
+    """RMSNorm as ORT's fusion leaves it; backward reads Y's input and InvStdDev."""
+    scale = oh.make_tensor("scale", F32, [64], np.ones(64, np.float32))
+    forward = [
+        oh.make_node("Gelu", ["x"], ["h"], name="gelu", domain="com.microsoft"),
+        oh.make_node("SimplifiedLayerNormalization", ["h", "scale"], ["y", "inv_std"], name="rms", axis=-1),
+    ]
+    return training_graph(
+        forward,
+        [bw("rms_grad", "h", "inv_std"), bw("next_grad", "y")],
+        [_vi("x", F32, ["batch", 16, 64])],
+        [_vi("h", F32, ["batch", 16, 64]), _vi("y", F32, ["batch", 16, 64]), _vi("inv_std", F32, inv_std_shape)],
+        [scale],
+    )
+
+
+def test_simplified_layer_norm_is_recomputable_once_inv_std_has_a_size():
+    """SimplifiedLayerNormalization is advanced, like LayerNormalization (a reduction over
+    the hidden dim, as ORT ranks it).  Its InvStdDev shape comes from the schema ortpass
+    registers; without it the candidate was skipped."""
+    report = analyse(simplified_layer_norm_model(["batch", 16, 1]))
+    assert "SimplifiedLayerNormalization+:1:-1" in {p.plan_string for p in report.plans}
+    unknown = analyse(simplified_layer_norm_model(None))
+    assert "SimplifiedLayerNormalization+:1:-1" not in {p.plan_string for p in unknown.plans}
+    assert any("inv_std" in s.reason and "unknown" in s.reason for s in unknown.skipped)
+    basic = analyse(simplified_layer_norm_model(["batch", 16, 1]), probe_level=ProbeLevel.BASIC)
+    assert "SimplifiedLayerNormalization+:1:-1" not in {p.plan_string for p in basic.plans}

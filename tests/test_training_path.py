@@ -331,3 +331,26 @@ def test_the_training_graph_is_the_same_whatever_python_hashes(tmp_path):
     outputs = [o.name for o in onnx.load_from_string(built[0]).graph.output]
     params = get_training_info(ir.from_proto(onnx.load_from_string(built[0]))).params
     assert outputs == ["loss", *(f"{p}_grad" for p in params)]
+
+
+def test_concat_training_lengths_get_a_shape():
+    """ORT's fusions replace Concat by com.microsoft::ConcatTraining, whose second output
+    (one int64 length per input) onnx's inference cannot shape; the build gives it one, so
+    the recompute analysis can size it."""
+    import onnx.helper as oh
+
+    w = [onnx.numpy_helper.from_array(np.full((4, 4), 0.1 * (i + 1), np.float32), f"w{i}") for i in range(3)]
+    nodes = [oh.make_node("MatMul", ["x", f"w{i}"], [f"h{i}"], name=f"mm{i}") for i in range(3)]
+    nodes += [
+        oh.make_node("Concat", ["h0", "h1", "h2"], ["c"], name="concat", axis=1),
+        oh.make_node("ReduceSum", ["c"], ["loss"], name="sum", keepdims=0),
+    ]
+    graph = oh.make_graph(
+        nodes, "g", [oh.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["batch", 4])],
+        [oh.make_tensor_value_info("loss", onnx.TensorProto.FLOAT, [])], w,
+    )
+    forward = ir.from_proto(oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)], ir_version=9))
+    training = build_training_graph(forward, params=["w0", "w1", "w2"], loss="loss")
+    (concat,) = [n for n in training.graph if n.op_type == "ConcatTraining"]
+    lengths = concat.outputs[1]
+    assert lengths.dtype == ir.DataType.INT64 and list(lengths.shape) == [3]

@@ -22,6 +22,8 @@ Differences from ORT 1.19.2's table, on purpose:
   forward's shape instead, which is the same value;
 - Erf is accepted: it is element-wise and cheap, and torch exports the exact Gelu through
   it (ORT's table needs no Erf because ORT fuses that pattern into a Gelu op first);
+- IsNaN is accepted: element-wise and cheap, and torch's SDPA export guards every
+  attention softmax with ``Where(IsNaN(p), 0, p)``;
 - ``com.microsoft::PythonOp`` is recomputable only when its ``func_name`` is registered with
   :func:`register_recomputable_function` (FlashAttention-like functions are registered
   here; ORT hard-codes the same list).  Its clone must replay the forward's randomness,
@@ -299,6 +301,10 @@ def _register_defaults() -> None:
         # Div/Erf/Add/Mul/Mul, and without Erf the chain fails and keeps Gelu's largest
         # intermediate (4 x hidden per token) alive in every layer.
         ("Erf", (9, 13), basic, ()),
+        # Not in ORT's table: torch's SDPA export guards the softmax with
+        # Where(IsNaN(p), 0, p); without IsNaN the bool mask and the float probabilities it
+        # reads were both stashed in every attention layer.  Element-wise and cheap.
+        ("IsNaN", (9, 13, 20), basic, ()),
         ("Less", (1, 7, 9, 13), basic, ()),
         ("Expand", (8, 13), basic, (1,)),  # the shape
         ("Gather", (1, 11, 13), basic, (1,)),  # the indices
@@ -316,8 +322,13 @@ def _register_defaults() -> None:
         ("Flatten", (1, 9, 11, 13, 21), basic, ()),
         ("Identity", (1, 13, 14, 16, 19, 21), basic, ()),
         ("MatMul", (1, 9, 13), advanced, ()),
+        # A MatMul with a bias (ORT's table has it; HF GPT-2's Conv1D exports to it).
+        ("Gemm", (1, 6, 7, 9, 11, 13), advanced, ()),
         ("Softmax", (1, 11, 13), advanced, ()),
         ("LayerNormalization", (1, 17), advanced, ()),
+        # Advanced, as in ORT and like LayerNormalization: a reduction over the hidden dim
+        # per token, costlier to redo than element-wise ops.  ORT's fusions make it of
+        # every RMSNorm (LLaMA, T5); its InvStdDev gets a size from ortpass.ort_schemas.
         ("SimplifiedLayerNormalization", (1,), advanced, ()),
     ]
     for op_type, versions, level, ignored in onnx_ops:

@@ -38,9 +38,9 @@ Rules (ORT's memory optimizer, ``recompute_analysis.cc``, restated; differences 
   per element than its output); the narrower input is kept instead.  Unlike ORT, a
   type-2 plan is also offered where the full (type 1) subgraph fails.
 - *Layer-wise* (``layer_boundary=True``): only entries inside a detected layer
-  (:mod:`ortpass.analysis.layers`) are candidates, and a layer's input (input 0 of its
-  boundary LayerNorm) is kept, as a per-layer checkpoint, not recomputed; so is the last
-  layer's output (what the head reads).
+  (:mod:`ortpass.analysis.layers`, pre-LN and post-LN) are candidates, and a layer's input
+  (input 0 of its pre-LN boundary LayerNorm, the output of a post-LN one) is kept, as a
+  per-layer checkpoint, not recomputed; so is the last layer's output (what the head reads).
 
 The analysis reads the model and never changes it.
 """

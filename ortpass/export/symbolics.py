@@ -19,8 +19,8 @@ priority over torch's own.  Built in:
 - ``aten::cumsum``: torch's drops the dtype;
 - ``aten::scaled_dot_product_attention``: torch's writes the attention dropout as a
   ``Dropout`` without its ``training_mode`` input, which ONNX reads as inference: the
-  dropout silently never happens, and ORT's ``DropoutGrad`` (training by default)
-  still scales the gradient by ``1 / (1 - p)``.  Torch's also refuses ``enable_gqa``,
+  dropout silently never happens, and ORT's ``DropoutGrad``, which ignores
+  ``training_mode``, still scales the gradient by ``1 / (1 - p)``.  Torch's also refuses ``enable_gqa``,
   which transformers passes for grouped-query attention without a mask (LLaMA,
   Mistral, Qwen2).
 """
@@ -86,14 +86,24 @@ def symbolics_context(opset: int) -> Iterator[None]:
     newest opset not above the export's, and a custom one at the same opset overrides
     torch's) and unregistered on exit, which brings torch's own back.
     """
-    added = list(registered_symbolics().items())
-    for op_name, symbolic in added:
+    # torch.onnx has no public getter for a registered symbolic; the registry module is the
+    # only way to see (and so restore) one that someone registered before us.
+    from torch.onnx._internal.torchscript_exporter import registration
+
+    def current(op_name: str):
+        group = registration.registry.get_function_group(op_name)
+        return group.get(opset) if group is not None else None
+
+    added = [(op_name, symbolic, current(op_name)) for op_name, symbolic in registered_symbolics().items()]
+    for op_name, symbolic, _ in added:
         torch.onnx.register_custom_op_symbolic(op_name, symbolic, opset)
     try:
         yield
     finally:
-        for op_name, _ in added:
+        for op_name, _, previous in added:
             torch.onnx.unregister_custom_op_symbolic(op_name, opset)
+            if previous is not None and current(op_name) is not previous:
+                torch.onnx.register_custom_op_symbolic(op_name, previous, opset)
 
 
 # ONNX data types of the dtypes CumSum takes.
@@ -177,13 +187,14 @@ def _repeat_kv_heads(g, query, key_or_value):
 
     query_sizes = symbolic_helper._get_tensor_sizes(query)
     sizes = symbolic_helper._get_tensor_sizes(key_or_value)
-    if not query_sizes or not sizes or len(sizes) != 4 or None in (query_sizes[-3], sizes[-3], sizes[-1]):
+    if not query_sizes or not sizes or len(sizes) != 4 or None in (query_sizes[-3], sizes[-3]):
         raise torch.onnx.errors.SymbolicValueError(
-            "scaled_dot_product_attention(enable_gqa=True) exports only rank-4 inputs with known head counts and head size",
-            query,
+            "scaled_dot_product_attention(enable_gqa=True) exports only rank-4 inputs with known head counts", query
         )
-    heads, kv_heads, head_size = query_sizes[-3], sizes[-3], sizes[-1]
+    heads, kv_heads = query_sizes[-3], sizes[-3]
     # [batch, kv_heads, seq, head] -> [batch, kv_heads, 1, seq, head] -> [batch, kv_heads, r, seq, head]
     expanded = g.op("Expand", g.op("Unsqueeze", key_or_value, _constant(g, [2])), _constant(g, [1, 1, heads // kv_heads, 1, 1]))
-    # Reshape's 0 keeps the batch size, -1 takes the sequence length.
-    return g.op("Reshape", expanded, _constant(g, [0, heads, -1, head_size]))
+    # Reshape's 0 keeps the batch size, -1 takes the sequence length; the head size comes
+    # from the tensor's shape when tracing lost it (a key read from a KV cache).
+    head_size = _constant(g, [sizes[-1]]) if sizes[-1] is not None else _slice(g, g.op("Shape", key_or_value), 0, 3, 4)
+    return g.op("Reshape", expanded, g.op("Concat", _constant(g, [0, heads, -1]), head_size, axis_i=0))

@@ -3,8 +3,10 @@
 Uses torch.onnx's TorchScript exporter (``dynamo=False``) in training mode: it is the
 exporter that keeps Dropout with its mask, calls custom symbolics for
 ``torch.autograd.Function`` (which become ``com.microsoft::PythonOp``) and names parameter
-initializers by their ``state_dict`` names.  See the README for the ``dynamo=True`` path
-that ``torch.library.custom_op`` functions take.
+initializers by their ``state_dict`` names.  ortpass's own symbolics fill the exporter's
+gaps for the aten ops real models call (``ortpass.export.symbolics``), and an op it still
+cannot convert fails naming the module and source line that called it, with the way out.
+See the README for the ``dynamo=True`` path that ``torch.library.custom_op`` functions take.
 """
 
 from __future__ import annotations
@@ -163,7 +165,7 @@ def _where_and_way_out(exc: Exception) -> str:
     if node is None:
         return ""
     kind = node.kind()
-    scope = node.scopeName().split("/")[-1].split("::")[-1] or "the top-level module"
+    scope = _module_path(node.scopeName())
     source = str(node.sourceRange()).strip().splitlines()
     where = f"\n  in {scope}" + (f", {source[0].strip()}" if source else "")
     if not isinstance(exc, torch.onnx.errors.UnsupportedOperatorError):
@@ -173,6 +175,17 @@ def _where_and_way_out(exc: Exception) -> str:
         f"@ortpass.export.register_symbolic({kind!r}) (fn(g, *inputs) emitting ONNX ops with g.op), "
         "or rewrite that call with ops the exporter supports"
     )
+
+
+def _module_path(scope_name: str) -> str:
+    """``model.layers.0.mlp (MixtralSparseMoeBlock)`` from a TorchScript scope name, which
+    reads ``pkg.Top::/pkg.Model::model/pkg.Layer::layers.0/...``: one ``class::attribute``
+    per module on the way down."""
+    parts = [segment.rpartition("::") for segment in scope_name.split("/") if segment]
+    path = ".".join(attribute for _, _, attribute in parts if attribute)
+    if not path:
+        return "the top-level module"
+    return f"{path} ({parts[-1][0].rpartition('.')[2]})"
 
 
 def _check_loss_output(proto: onnx.ModelProto, loss_name: str) -> None:

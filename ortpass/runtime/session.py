@@ -84,6 +84,11 @@ class TrainingSession:
             Dropout masks from :func:`with_dropout_masks`, for parity checks).
         optimized_model_path: where ORT should write the graph it actually runs, to check
             that rewrites survived its optimizers.
+        threads: ORT's intra-op thread count (default: ORT's, one per core).  With 1, a
+            step is bitwise reproducible: on more threads, CPU ``GatherGrad`` (every
+            embedding's gradient) adds rows in whatever order the threads reach them, and
+            ``use_deterministic_compute`` does not change that (measured on 1.19.2;
+            docs/design/ort-facts.md).
     """
 
     def __init__(
@@ -93,6 +98,7 @@ class TrainingSession:
         *,
         extra_outputs: Sequence[str] = (),
         optimized_model_path: str | os.PathLike | None = None,
+        threads: int | None = None,
     ) -> None:
         import onnxruntime as ort
 
@@ -113,6 +119,8 @@ class TrainingSession:
         # 4-layer decoder with recompute (benchmarks/recompute_memory.py).
         options.enable_mem_reuse = False
         options.enable_mem_pattern = False
+        if threads is not None:
+            options.intra_op_num_threads = threads
         if optimized_model_path is not None:
             options.optimized_model_filepath = os.fspath(optimized_model_path)
         self.providers = _resolve_providers(providers, ort.get_available_providers())

@@ -10,8 +10,8 @@ adds around it:
 - parameters made graph inputs, as the builder requires (their values stay initializers,
   so the model is self-contained and ORT treats them as overridable defaults);
 - the IR version clamped to what ORT 1.19.2 loads;
-- the gradient of a broadcast ``Where`` input reduced to the input's shape, which ORT
-  1.19.2's builder forgets (:func:`_reduce_broadcast_where_gradients`), and every
+- the gradient of a broadcast ``Where`` input (or ``Pow`` base) reduced to the input's
+  shape, which ORT 1.19.2's builder forgets (:func:`_reduce_broadcast_gradients`), and every
   parameter's gradient checked to have the parameter's shape;
 - an explicit forward/backward partition recorded in the result
   (:mod:`ortpass.analysis.partition`), and shapes on the forward values analyses read.
@@ -96,9 +96,10 @@ def build_training_graph(
     forward_names = _ensure_unique_node_names(proto)
     _make_params_inputs(proto, params, loss)
     training_proto = _run_gradient_builder(proto, loss, params)
-    _reduce_broadcast_where_gradients(training_proto, forward_names)
+    _reduce_broadcast_gradients(training_proto, forward_names)
     clamp_for_ort(training_proto)
     training_proto = _infer_shapes(training_proto)
+    _shape_concat_training_lengths(training_proto)
     gradients = _check_gradient_outputs(training_proto, params)
     _check_gradient_shapes(training_proto, gradients)
     _order_outputs(training_proto, [loss, *gradients.values()])
@@ -435,7 +436,57 @@ def _infer_forward_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
         return proto
     if not complete:
         logger.debug("symbolic shape inference left some values unknown; keeping what it inferred")
-    return inference.out_mp_
+    return _keep_given_shapes(proto, inference.out_mp_)
+
+
+def _keep_given_shapes(given: onnx.ModelProto, inferred: onnx.ModelProto) -> onnx.ModelProto:
+    """Put back the shapes and dim names the model came with where the symbolic inference
+    lost them.
+
+    It has no rule for some contrib ops on some types: the labels' ``ShrunkenGather`` from
+    ``insert-gather-before-sce-loss`` came out shapeless, so the recompute analysis could
+    not size that stashed tensor.  And it names a data-dependent dim after the node that
+    makes it (``NonZero_308_o0__d1``), where the pass had named it ``valid_label_count_0``,
+    the name a user binds with ``dims=``.
+    """
+    given_infos = [info for info in given.graph.value_info if info.type.tensor_type.HasField("shape")]
+    inferred_infos = [*inferred.graph.value_info, *inferred.graph.input, *inferred.graph.output]
+    renames = _dim_renames([*given_infos, *given.graph.input, *given.graph.output], inferred_infos)
+    if renames:
+        pattern = re.compile(r"\b(" + "|".join(map(re.escape, renames)) + r")\b")
+        for info in inferred_infos:
+            for dim in info.type.tensor_type.shape.dim:
+                if dim.HasField("dim_param"):
+                    dim.dim_param = pattern.sub(lambda match: renames[match.group(1)], dim.dim_param)
+    known = {
+        info.name
+        for info in inferred_infos
+        if info.type.HasField("tensor_type") and info.type.tensor_type.HasField("shape")
+    }
+    inferred.graph.value_info.extend(info for info in given_infos if info.name not in known)
+    return inferred
+
+
+def _dim_renames(given: Sequence[onnx.ValueInfoProto], inferred: Sequence[onnx.ValueInfoProto]) -> dict[str, str]:
+    """``inferred name -> given name`` for the plain dim names the inference made up in
+    place of a name the model gave, where every value agrees on the pair."""
+    shapes = {info.name: info.type.tensor_type.shape.dim for info in inferred if info.type.tensor_type.HasField("shape")}
+    pairs: dict[str, set[str]] = {}
+    for info in given:
+        dims = shapes.get(info.name)
+        if dims is None or len(dims) != len(info.type.tensor_type.shape.dim):
+            continue
+        for before, after in zip(info.type.tensor_type.shape.dim, dims):
+            if before.HasField("dim_param") and after.HasField("dim_param") and before.dim_param != after.dim_param:
+                if before.dim_param.isidentifier() and after.dim_param.isidentifier():
+                    pairs.setdefault(after.dim_param, set()).add(before.dim_param)
+    # Only names the inference made up: never one the model itself uses (batch, seq).
+    used = {dim.dim_param for info in given for dim in info.type.tensor_type.shape.dim if dim.HasField("dim_param")}
+    return {
+        after: befores.pop()
+        for after, befores in pairs.items()
+        if len(befores) == 1 and after not in used and not next(iter(befores)).startswith("unk__")
+    }
 
 
 def _infer_static_shapes(proto: onnx.ModelProto) -> onnx.ModelProto | None:
@@ -482,6 +533,22 @@ def _infer_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
         return proto
 
 
+def _shape_concat_training_lengths(proto: onnx.ModelProto) -> None:
+    """Give ``com.microsoft::ConcatTraining``'s second output (the length of each input
+    along the axis, int64, one per input: ORT's schema) its shape, which onnx's inference
+    cannot (it knows no com.microsoft op).  ORT's fusions turn every Concat into one; the
+    recompute analysis skipped each candidate that would stash or clone such a value
+    ("the size of 'per_input_length_token_8' is unknown")."""
+    known = {info.name for info in (*proto.graph.value_info, *proto.graph.output, *proto.graph.input)}
+    for node in proto.graph.node:
+        if node.domain == "com.microsoft" and node.op_type == "ConcatTraining" and len(node.output) > 1:
+            lengths = node.output[1]
+            if lengths and lengths not in known:
+                proto.graph.value_info.append(
+                    onnx.helper.make_tensor_value_info(lengths, onnx.TensorProto.INT64, [len(node.input)])
+                )
+
+
 def _check_gradient_outputs(proto: onnx.ModelProto, params: Sequence[str]) -> dict[str, str]:
     outputs = {o.name for o in proto.graph.output}
     gradients = {name: f"{name}_grad" for name in params}
@@ -493,7 +560,7 @@ def _check_gradient_outputs(proto: onnx.ModelProto, params: Sequence[str]) -> di
     return gradients
 
 
-def _static_shapes(proto: onnx.ModelProto) -> dict[str, list[int | str | None]]:
+def _known_shapes(proto: onnx.ModelProto) -> dict[str, list[int | str | None]]:
     """Known shapes by value name: each dim an int, a dim param, or None (unknown)."""
     shapes: dict[str, list[int | str | None]] = {}
     for info in (*proto.graph.input, *proto.graph.value_info, *proto.graph.output):
@@ -524,40 +591,53 @@ def _broadcast_axes(source: list, result: list) -> list[int] | None:
     return axes
 
 
-def _reduce_broadcast_where_gradients(proto: onnx.ModelProto, forward_names: set[str]) -> int:
-    """Reduce the gradient of each broadcast input of a forward ``Where`` to that input's
-    shape; returns how many gradients were repaired.
+# Ops whose gradient ORT 1.19.2's builder leaves in the output's shape for a broadcast
+# input, and those inputs (measured, docs/design/ort-facts.md; Add, Sub, Mul, Div, Min and
+# Max reduce theirs).
+_UNREDUCED_BROADCAST_GRADIENTS = {"Where": (1, 2), "Pow": (0,)}
+
+
+def _reduce_broadcast_gradients(proto: onnx.ModelProto, forward_names: set[str]) -> int:
+    """Reduce the gradient of each broadcast input of a forward ``Where`` or ``Pow`` (base)
+    to that input's shape; returns how many gradients were repaired.
 
     ORT 1.19.2 differentiates ``Where(c, x, y)`` as ``Where(c, dY, 0)`` for ``x`` and
-    ``Where(c, 0, dY)`` for ``y``, in the output's shape, without the reduction its other
-    broadcasting ops get (measured: a (1,4,8,8) parameter read by a Where with a (2,4,8,8)
-    output got a (2,4,8,8) gradient, silently; T5's relative-attention bias made the step
-    fail at the Squeeze its Unsqueeze's gradient applies).  The repair sums over the
-    broadcast axes (``ReduceSum(keepdims=1)``) and drops the leading axes the input lacks
-    (``Squeeze``), as numpy's broadcasting rule dictates for a gradient.  The builder's
-    nodes for Where ``W`` are named ``<W>_Grad/...``; its Where for input ``i`` reads
-    ``dY`` at position ``i``.
+    ``Where(c, 0, dY)`` for ``y``, and ``Pow``'s base as ``dY * b * a^(b-1)``, in the
+    output's shape, without the reduction its other broadcasting ops get (measured: a
+    (1,4,8,8) parameter read by a Where with a (2,4,8,8) output got a (2,4,8,8) gradient,
+    silently; T5's relative-attention bias made the step fail at the Squeeze its
+    Unsqueeze's gradient applies).  The repair sums over the broadcast axes
+    (``ReduceSum(keepdims=1)``) and drops the leading axes the input lacks (``Squeeze``),
+    as numpy's broadcasting rule dictates for a gradient.  The builder names the nodes it
+    emits for node ``F`` ``<F>_Grad/...``, and the gradient of value ``v`` ``v_grad``
+    (``v_grad_<k>`` for one of several contributions, summed later).
     """
-    shapes = _static_shapes(proto)
+    shapes = _known_shapes(proto)
     opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), MAX_ORT_OPSET)
-    forwards = {n.name: n for n in proto.graph.node if n.op_type == "Where" and n.domain in ("", "ai.onnx") and n.name in forward_names}
+    wanted: dict[str, tuple[onnx.NodeProto, dict[str, int]]] = {}  # grad-node prefix -> forward node, input by name
+    for node in proto.graph.node:
+        indices = _UNREDUCED_BROADCAST_GRADIENTS.get(node.op_type)
+        if indices and node.domain in ("", "ai.onnx") and node.name in forward_names:
+            inputs = {node.input[i]: i for i in indices if i < len(node.input) and node.input[i]}
+            wanted[f"{node.name}_Grad/"] = (node, inputs)
     repaired = 0
     position = 0
     while position < len(proto.graph.node):
         node = proto.graph.node[position]
         position += 1
-        owner = forwards.get(node.name.split("_Grad/", 1)[0]) if "_Grad/" in node.name else None
-        if owner is None or node.op_type != "Where" or len(node.input) != 3 or node.input[0] != owner.input[0]:
+        prefix = node.name.split("_Grad/", 1)[0] + "_Grad/" if "_Grad/" in node.name else None
+        if prefix not in wanted or len(node.output) != 1:
             continue
-        index = _where_gradient_input(node, shapes)
+        owner, inputs = wanted[prefix]
+        index = next((i for name, i in inputs.items() if _is_gradient_name(node.output[0], name)), None)
         if index is None:
             continue
         source, result = shapes.get(owner.input[index]), shapes.get(owner.output[0])
         axes = None if source is None or result is None else _broadcast_axes(source, result)
         if axes is None:
             logger.warning(
-                "cannot tell whether Where %r broadcast its input %r (shapes unknown); its gradient is left as "
-                "ONNX Runtime built it", owner.name, owner.input[index]
+                "cannot tell whether %s %r broadcast its input %r (shapes unknown); its gradient is left as "
+                "ONNX Runtime built it", owner.op_type, owner.name, owner.input[index]
             )
             continue
         if not axes:
@@ -568,24 +648,18 @@ def _reduce_broadcast_where_gradients(proto: onnx.ModelProto, forward_names: set
         position += len(new_nodes)
         repaired += 1
         logger.info(
-            "reduced the gradient of Where %r's input %r over broadcast axes %s (ONNX Runtime's builder left it "
-            "in the output's shape)", owner.name, owner.input[index], axes
+            "reduced the gradient of %s %r's input %r over broadcast axes %s (ONNX Runtime's builder left it "
+            "in the output's shape)", owner.op_type, owner.name, owner.input[index], axes
         )
     return repaired
 
 
-def _where_gradient_input(node: onnx.NodeProto, shapes: dict[str, list]) -> int | None:
-    """Which input of the forward Where this gradient Where is for: the position of dY;
-    the other branch is the builder's zero (a one-element ``ZeroConstant*`` initializer)."""
-
-    def is_zero(name: str) -> bool:
-        return name.startswith("ZeroConstant") and shapes.get(name) in ([], [1])
-
-    if is_zero(node.input[2]) and not is_zero(node.input[1]):
-        return 1
-    if is_zero(node.input[1]) and not is_zero(node.input[2]):
-        return 2
-    return None
+def _is_gradient_name(name: str, value: str) -> bool:
+    """True when ``name`` is what ORT's builder calls (a contribution to) ``value``'s gradient."""
+    if not name.startswith(f"{value}_grad"):
+        return False
+    rest = name[len(value) + len("_grad"):]
+    return rest == "" or (rest[0] == "_" and rest[1:].isdigit())
 
 
 def _reduce_to_input_shape(
@@ -618,7 +692,7 @@ def _axes_node(
 def _check_gradient_shapes(proto: onnx.ModelProto, gradients: dict[str, str]) -> None:
     """Refuse, naming the parameter, a gradient whose static shape is not its parameter's
     (the shapes ORT's builder and onnx's inference give the gradient outputs)."""
-    shapes = _static_shapes(proto)
+    shapes = _known_shapes(proto)
     for param, grad in gradients.items():
         want, got = shapes.get(param), shapes.get(grad)
         if want is None or got is None or any(not isinstance(d, int) for d in (*want, *got)):
