@@ -358,7 +358,7 @@ _CACHE_RUN = textwrap.dedent(
             raise AssertionError("exported in the process that should load")
         torch.onnx.export = refuse
     torch.manual_seed(0)
-    model = ORTModule(GPTDecoder(vocab=64, hidden=32, heads=4, layers=2, dropout=0.0), cache_dir=cache_dir)
+    model = ORTModule(GPTDecoder(vocab=64, hidden=32, heads=4, layers=2, dropout=0.0), cache_dir=cache_dir, threads=1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses = []
     for seq in (16, 12, 16):

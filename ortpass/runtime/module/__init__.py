@@ -87,7 +87,7 @@ class _Graph:
 class _ForwardSession:
     """A session over a forward-only (eval) graph, run on OrtValues like TrainingSession."""
 
-    def __init__(self, model: ir.Model, providers: Any) -> None:
+    def __init__(self, model: ir.Model, providers: Any, threads: int | None) -> None:
         import onnxruntime as ort
 
         from ortpass.runtime.session import _resolve_providers
@@ -101,6 +101,8 @@ class _ForwardSession:
             bridge.prepare(model)
         options = ort.SessionOptions()
         options.log_severity_level = 3
+        if threads is not None:
+            options.intra_op_num_threads = threads
         self._session = ort.InferenceSession(
             proto.SerializeToString(), options, providers=_resolve_providers(providers, ort.get_available_providers())
         )
@@ -199,6 +201,8 @@ class ORTModule(torch.nn.Module):
             parameter names/shapes, the input schema, the pipeline and the versions of
             torch, onnx, onnxruntime and ortpass; another process loads instead of exporting.
         providers: as for :class:`~ortpass.runtime.TrainingSession`.
+        threads: ORT's intra-op threads (default: ORT's); 1 makes steps bitwise
+            reproducible (CPU ``GatherGrad`` sums in thread order otherwise).
         opset: the ai.onnx opset of the export.
 
     ``state_dict()`` keys carry the ``module.`` prefix (as with DDP); the wrapped module is
@@ -212,6 +216,7 @@ class ORTModule(torch.nn.Module):
         pipeline: str | None = None,
         cache_dir: str | os.PathLike | None = None,
         providers: Any = None,
+        threads: int | None = None,
         opset: int = 17,
     ) -> None:
         super().__init__()
@@ -225,6 +230,7 @@ class ORTModule(torch.nn.Module):
         self.pipeline = pipeline
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
         self.providers = providers
+        self.threads = threads
         self.opset = opset
         self.graph_builds = 0
         self.transitions = GraphTransitionManager()
@@ -331,12 +337,12 @@ class ORTModule(torch.nn.Module):
 
         output_spec = output_tree if output_tree is not None else pytree.treespec_loads(meta["output_spec"])
         if meta["training"]:
-            session = TrainingSession(model, self.providers)
+            session = TrainingSession(model, self.providers, threads=self.threads)
             prefix = f"{INNER}."
             params = [p.removeprefix(prefix) for p in session.info.params]
             gradient_outputs = list(session.info.gradients.values())
         else:
-            session, params, gradient_outputs = _ForwardSession(model, self.providers), [], []
+            session, params, gradient_outputs = _ForwardSession(model, self.providers, self.threads), [], []
         return _Graph(
             session=session,
             training=meta["training"],
