@@ -5,13 +5,15 @@ Data flows one way::
     export -> pre-grad passes -> gradient build -> post-grad passes -> run
 
 ``import ortpass`` stays light (no torch, no onnxruntime); the export, training and
-runtime subpackages import those when used.
+runtime subpackages import those when used, and so does ``ortpass.ORTModule`` (the
+drop-in ``torch.nn.Module`` wrapper, :mod:`ortpass.runtime.module`) on first access.
 """
 
 from ortpass.manager import PassManager, PassReport, pipeline
 from ortpass.registry import available_passes, get_pass, register_pass
 
 __all__ = [
+    "ORTModule",
     "PassManager",
     "PassReport",
     "available_passes",
@@ -21,3 +23,12 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name == "ORTModule":  # imports torch: only when asked for
+        from ortpass.runtime.module import ORTModule
+
+        globals()[name] = ORTModule
+        return ORTModule
+    raise AttributeError(f"module 'ortpass' has no attribute {name!r}")

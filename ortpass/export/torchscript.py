@@ -43,6 +43,7 @@ def export(
     dynamic_axes: Mapping[str, Mapping[int, str]] | None = None,
     density_threshold: float | None = 90.0,
     fused_attention: bool = False,
+    training: bool = True,
 ) -> ir.Model:
     """Export ``module(*args)`` (whose first output is the scalar loss) for training.
 
@@ -60,6 +61,8 @@ def export(
         fused_attention: export every ``torch.nn.functional.scaled_dot_product_attention``
             call as one recomputable PythonOp running torch's fused kernel
             (:mod:`ortpass.export.fused_attention`) instead of its decomposition.
+        training: False exports the module in eval mode (no Dropout, no density probe)
+            for a forward-only graph, whose first output need not be a loss.
 
     Returns:
         An onnx_ir model: parameters are initializers named by ``state_dict`` names, the
@@ -80,9 +83,11 @@ def export(
         raise ExportError(f"{len(input_names)} input_names for {len(args)} arguments")
 
     proto, density_records = _run_torchscript_export(
-        module, args, list(input_names), loss_name, opset, dynamic_axes, density_threshold, fused_attention
+        module, args, list(input_names), loss_name, opset, dynamic_axes, density_threshold if training else None,
+        training, fused_attention,
     )
-    _check_loss_output(proto, loss_name)
+    if training:
+        _check_loss_output(proto, loss_name)
     model = ir.from_proto(proto)
     # TorchScript names values after the symbolics ran, so ctx outputs are named here.
     name_context_outputs(model)
@@ -101,7 +106,9 @@ def export(
     return model
 
 
-def _run_torchscript_export(module, args, input_names, loss_name, opset, dynamic_axes, density_threshold, fused_attention):
+def _run_torchscript_export(
+    module, args, input_names, loss_name, opset, dynamic_axes, density_threshold, training=True, fused_attention=False
+):
     """Run torch's exporter with PythonOp export and the density probe hooked in.
 
     Returns the model proto and the probe's records (what it measured per loss call).
@@ -112,7 +119,7 @@ def _run_torchscript_export(module, args, input_names, loss_name, opset, dynamic
     from ortpass.export.symbolics import symbolics_context
 
     was_training = module.training
-    module.train()
+    module.train(training)
     buffer = io.BytesIO()
     probe = None
     try:
@@ -134,7 +141,7 @@ def _run_torchscript_export(module, args, input_names, loss_name, opset, dynamic
                 args,
                 buffer,
                 dynamo=False,
-                training=torch.onnx.TrainingMode.TRAINING,
+                training=torch.onnx.TrainingMode.TRAINING if training else torch.onnx.TrainingMode.EVAL,
                 do_constant_folding=False,
                 export_params=True,
                 opset_version=opset,

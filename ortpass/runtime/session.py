@@ -185,6 +185,18 @@ class TrainingSession:
             extras=dict(zip(self.extra_outputs, values[1 + n_grads :])),
         )
 
+    def run_with_ort_values(self, feeds: Mapping[str, Any], fetch: Sequence[str]) -> list[Any]:
+        """Run on OrtValues, without copies: ``feeds`` maps every graph input to a C-level
+        ``OrtValue`` (e.g. ``OrtValue.from_dlpack`` over torch memory); returns the C-level
+        ``OrtValue`` of each name in ``fetch``, owned by ORT (hand them to torch with
+        ``to_dlpack``).  Parameters have no defaults here: the caller feeds them.
+        """
+        _take_runner_error()
+        try:
+            return list(self._session._sess.run_with_ort_values(dict(feeds), list(fetch), None))
+        except Exception as exc:
+            raise OrtpassError(f"the training step failed on ONNX Runtime: {_root_cause(exc)}") from exc
+
 
 def _check_gradient_shapes(gradients: Mapping[str, np.ndarray], params: Mapping[str, np.ndarray]) -> None:
     """Refuse a step whose gradient for a parameter has another shape than the parameter
