@@ -96,6 +96,38 @@ def test_fifty_adamw_steps_match_torch_eager(kind):
         assert _param_error(p.detach(), ref.detach()) <= 1e-4, name
 
 
+def test_fused_attention_trains_like_torch_eager(monkeypatch):
+    """ORTModule(fused_attention=True): the attention runs as torch's SDPA kernel inside the
+    graph; ten AdamW steps on tiny LLaMA (grouped-query attention) follow torch eager."""
+    import ortpass.export
+
+    exported = []
+    real_export = ortpass.export.export
+
+    def spying_export(*args, **kwargs):
+        model = real_export(*args, **kwargs)
+        exported.append(sum(n.op_type == "PythonOp" for n in model.graph))
+        return model
+
+    monkeypatch.setattr(ortpass.export, "export", spying_export)
+    model = _hf_model("llama")
+    reference = copy.deepcopy(model)
+    wrapped = ORTModule(model, fused_attention=True)
+    optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-3, eps=1e-6)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3, eps=1e-6)
+    for step, (args, kwargs) in enumerate(_batches("llama", 10)):
+        loss = _loss(wrapped(*args, **kwargs))
+        expected = _loss(reference(*args, **kwargs))
+        assert loss.item() == pytest.approx(expected.item(), rel=1e-4), f"step {step}"
+        for opt, value in ((optimizer, loss), (reference_optimizer, expected)):
+            value.backward()
+            opt.step()
+            opt.zero_grad()
+    assert exported == [2]  # one export, one attention PythonOp per layer
+    for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
+        assert _param_error(p.detach(), ref.detach()) <= 1e-4, name
+
+
 def test_the_output_structure_comes_back_with_torch_tensors():
     model = _hf_model("gpt2")
     (_, kwargs) = next(_batches("gpt2", 1))

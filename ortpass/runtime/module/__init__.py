@@ -204,6 +204,9 @@ class ORTModule(torch.nn.Module):
         threads: ORT's intra-op threads (default: ORT's); 1 makes steps bitwise
             reproducible (CPU ``GatherGrad`` sums in thread order otherwise).
         opset: the ai.onnx opset of the export.
+        fused_attention: export ``scaled_dot_product_attention`` as one recomputable PythonOp
+            running torch's kernel (``ortpass.export.export(fused_attention=True)``): no
+            seq x seq tensor is kept between forward and backward.
 
     ``state_dict()`` keys carry the ``module.`` prefix (as with DDP); the wrapped module is
     ``.module``.  ``graph_builds`` counts exports in this process.
@@ -218,6 +221,7 @@ class ORTModule(torch.nn.Module):
         providers: Any = None,
         threads: int | None = None,
         opset: int = 17,
+        fused_attention: bool = False,
     ) -> None:
         super().__init__()
         if not isinstance(module, torch.nn.Module):
@@ -232,6 +236,7 @@ class ORTModule(torch.nn.Module):
         self.providers = providers
         self.threads = threads
         self.opset = opset
+        self.fused_attention = fused_attention
         self.graph_builds = 0
         self.transitions = GraphTransitionManager()
         self._noticed_checkpointing = False
@@ -281,7 +286,9 @@ class ORTModule(torch.nn.Module):
         warnings.warn(message, stacklevel=4)
 
     def _build(self, schema: InputSchema, leaves, spec, bound) -> tuple[_Graph, str]:
-        key_material = cache_key_material(self.module, schema, self.pipeline if schema.training else "eval", self.opset)
+        key_material = cache_key_material(
+            self.module, schema, self.pipeline if schema.training else "eval", self.opset, self.fused_attention
+        )
         cached = load_cached(self.cache_dir, key_material) if self.cache_dir is not None else None
         if cached is not None:
             model, meta = cached
@@ -306,6 +313,7 @@ class ORTModule(torch.nn.Module):
             model = export(
                 flat, tuple(tensors), input_names=names, loss_name="loss" if schema.training else "output_0",
                 opset=self.opset, dynamic_axes=dynamic, training=schema.training,
+                fused_attention=self.fused_attention,
             )  # fmt: skip
         changed = [name.removeprefix(f"{INNER}.") for name, t in state.items() if t._version != versions[name]]
         if changed:

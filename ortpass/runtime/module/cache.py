@@ -22,7 +22,9 @@ logger = logging.getLogger(__name__)
 _CACHE_FORMAT = 1
 
 
-def cache_key_material(module: torch.nn.Module, schema: InputSchema, pipeline: str, opset: int) -> dict:
+def cache_key_material(
+    module: torch.nn.Module, schema: InputSchema, pipeline: str, opset: int, fused_attention: bool = False
+) -> dict:
     """Everything that changes the graph; its hash names the cache entry, and the entry
     keeps it whole to compare on load."""
     import onnx
@@ -49,6 +51,7 @@ def cache_key_material(module: torch.nn.Module, schema: InputSchema, pipeline: s
         "schema": dataclasses.asdict(schema),
         "pipeline": pipeline,
         "opset": opset,
+        "fused_attention": fused_attention,
         "versions": {
             "torch": torch.__version__, "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__,
             "onnx_ir": ir.__version__, "ortpass": ortpass.__version__,
