@@ -272,10 +272,7 @@ def main(argv: list[str] | None = None) -> None:
     stem = "family_memory" if args.families == list(FAMILIES) else "family_memory_subset"
     if LAYERS != 2:
         stem += f"_layers{LAYERS}"
-    (HERE / f"{stem}.json").write_text(json.dumps(results, indent=1))
-    text = markdown(results)
-    (HERE / f"{stem}.md").write_text(text + "\n")
-    print(text)
+    rm.record(HERE / stem, results, markdown(results))
 
 
 if __name__ == "__main__":

@@ -249,10 +249,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     results = run(args.models, args.seq, args.steps)
     stem = "hf_memory" if args.seq == 512 else f"hf_memory_seq{args.seq}"
-    (HERE / f"{stem}.json").write_text(json.dumps(results, indent=1))
-    text = markdown(results)
-    (HERE / f"{stem}.md").write_text(text + "\n")
-    print(text)
+    rm.record(HERE / stem, results, markdown(results))
 
 
 if __name__ == "__main__":

@@ -121,10 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=2)
     args = parser.parse_args(argv)
     results = run(args.models, args.seq, args.steps)
-    (HERE / "profile_step.json").write_text(json.dumps(results, indent=1))
-    text = markdown(results)
-    (HERE / "profile_step.md").write_text(text + "\n")
-    print(text)
+    hf_memory.rm.record(HERE / "profile_step", results, markdown(results))
 
 
 if __name__ == "__main__":

@@ -512,13 +512,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=7)
     args = parser.parse_args(argv)
     results = run(args.layers, args.steps)
-    (HERE / "recompute_memory.json").write_text(json.dumps(results, indent=1))
-    write_markdown(results)
+    record(HERE / "recompute_memory", results, markdown(results))
 
 
-def write_markdown(results: dict) -> None:
-    text = markdown(results)
-    (HERE / "recompute_memory.md").write_text(text + "\n")
+def record(stem: Path, results: dict, text: str) -> None:
+    """Write ``<stem>.json`` and ``<stem>.md`` (the benchmarks' recorded results); print the table."""
+    stem.with_suffix(".json").write_text(json.dumps(results, indent=1))
+    stem.with_suffix(".md").write_text(text + "\n")
     print(text)
 
 

@@ -104,3 +104,18 @@ def test_family_memory_measures_both_pipelines_on_two_tiny_families(monkeypatch)
     table = family_memory.markdown(results).splitlines()
     assert "| family | peak without recompute MiB | peak with MiB | reduction % | clones |" in table
     assert sum(line.startswith(("| gpt2 |", "| bert |")) for line in table) == 2
+
+
+@pytest.mark.slow
+def test_hf_memory_measures_every_configuration_on_a_tiny_gpt2(monkeypatch):
+    monkeypatch.setenv("ORTPASS_BENCH_TINY", "1")  # read by the script and by its children
+    hf_memory = _load("hf_memory")
+    results = hf_memory.run(["gpt2"], seq=16, steps=1)
+    configs = results["families"]["gpt2"]["configs"]
+    assert list(configs) == [key for key, _, _ in hf_memory.CONFIGS]
+    assert all(c["step_seconds"] > 0 and c["step_peak_mib"] >= 0 for c in configs.values())
+    # The fused-attention graph runs its attention as PythonOps through the bridge.
+    assert configs["ortpass_fused"]["ort_nodes"] > 0
+    table = hf_memory.markdown(results)
+    assert table.count("| ortpass default pipeline, fused attention |") == 1
+    assert "gpt2, ortpass default pipeline: goal" in table

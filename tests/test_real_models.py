@@ -22,8 +22,6 @@ Each family exports once per dropout setting (module-scoped fixtures).  The READ
 from __future__ import annotations
 
 import dataclasses
-import os
-from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
