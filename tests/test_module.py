@@ -71,9 +71,6 @@ def _loss(output) -> torch.Tensor:
     return output if isinstance(output, torch.Tensor) else output.loss
 
 
-@pytest.mark.parametrize(
-    "kind", ["decoder", pytest.param("gpt2", marks=pytest.mark.slow), "llama", pytest.param("bert", marks=pytest.mark.slow)]
-)
 def _train_alongside_torch(model: nn.Module, kind: str, steps: int, **options) -> ORTModule:
     """``steps`` AdamW steps of ``ORTModule(model, **options)`` and of a copy in torch eager:
     the loss equal at every step (1e-4 relative), the parameters after them (1e-4)."""
@@ -96,6 +93,9 @@ def _train_alongside_torch(model: nn.Module, kind: str, steps: int, **options) -
     return wrapped
 
 
+@pytest.mark.parametrize(
+    "kind", ["decoder", pytest.param("gpt2", marks=pytest.mark.slow), "llama", pytest.param("bert", marks=pytest.mark.slow)]
+)
 def test_fifty_adamw_steps_match_torch_eager(kind):
     torch.manual_seed(0)
     model = GPTDecoder(vocab=64, hidden=32, heads=4, layers=2, dropout=0.0) if kind == "decoder" else _hf_model(kind)
