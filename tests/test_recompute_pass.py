@@ -8,6 +8,7 @@ draw the same masks), and that the clones survive in the graph ORT actually runs
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -401,6 +402,22 @@ def test_clones_survive_in_the_graph_ort_runs(decoder_graph, tmp_path):
     clones = {n.name for n in recomputed.graph if n.name.endswith("_recompute")}
     path = tmp_path / "ort_optimized.onnx"
     TrainingSession(recomputed, optimized_model_path=path)  # the session the tests run
+    ort_names = {n.name for n in onnx.load(path).graph.node}
+    assert clones and _surviving_clones(recomputed, ort_names) == clones
+
+
+def test_your_own_session_options_are_used_and_the_clones_still_survive(decoder_graph, tmp_path):
+    import onnxruntime as ort
+
+    recomputed, _ = _rewrite(decoder_graph, 1, recompute=True)
+    clones = {n.name for n in recomputed.graph if n.name.endswith("_recompute")}
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.enable_profiling = True  # proof that these options, not ortpass's, made the session
+    options.profile_file_prefix = str(tmp_path / "profile")
+    path = tmp_path / "ort_optimized.onnx"
+    session = TrainingSession(recomputed, optimized_model_path=path, session_options=options)
+    assert Path(session._session.end_profiling()).is_file()
     ort_names = {n.name for n in onnx.load(path).graph.node}
     assert clones and _surviving_clones(recomputed, ort_names) == clones
 

@@ -89,6 +89,13 @@ class TrainingSession:
             embedding's gradient) adds rows in whatever order the threads reach them, and
             ``use_deterministic_compute`` does not change that (measured on 1.19.2;
             docs/design/ort-facts.md).
+        session_options: your own ``onnxruntime.SessionOptions`` (profiling, graph
+            optimization level, thread pools, memory settings).  Used as given, except that
+            ``threads`` and ``optimized_model_path`` are set on it when passed; without it
+            ortpass's training defaults apply (no memory reuse or pattern, errors only).
+            Either way the optimizers that undo ortpass's rewrites stay disabled
+            (:func:`disabled_optimizers`): they are passed to the session, not set in the
+            options.
     """
 
     def __init__(
@@ -99,6 +106,7 @@ class TrainingSession:
         extra_outputs: Sequence[str] = (),
         optimized_model_path: str | os.PathLike | None = None,
         threads: int | None = None,
+        session_options: Any = None,
     ) -> None:
         import onnxruntime as ort
 
@@ -112,13 +120,7 @@ class TrainingSession:
 
             bridge.prepare(model)
 
-        options = ort.SessionOptions()
-        options.log_severity_level = 3
-        # ORTModule's settings for training sessions.  Memory reuse keeps a freed buffer
-        # held until a later value of the same size takes it: +100 MiB of step peak on a
-        # 4-layer decoder with recompute (benchmarks/recompute_memory.py).
-        options.enable_mem_reuse = False
-        options.enable_mem_pattern = False
+        options = session_options if session_options is not None else _training_options(ort)
         if threads is not None:
             options.intra_op_num_threads = threads
         if optimized_model_path is not None:
@@ -301,6 +303,17 @@ def _root_cause(exc: BaseException) -> str:
     if runner_error is not None:
         return f"a PythonOp's torch code raised {type(runner_error).__name__}: {runner_error}"
     return f"{type(exc).__name__}: {exc}"
+
+
+def _training_options(ort: Any) -> Any:
+    """ORTModule's settings for training sessions.  Memory reuse keeps a freed buffer held
+    until a later value of the same size takes it: +100 MiB of step peak on a 4-layer
+    decoder with recompute (benchmarks/recompute_memory.py)."""
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.enable_mem_reuse = False
+    options.enable_mem_pattern = False
+    return options
 
 
 def _resolve_providers(providers, available: Sequence[str]) -> list[str]:
