@@ -27,7 +27,7 @@ exposed to ORT as C callbacks through ``ctypes``.  What ORT 1.19.2 calls (from
   which must hold every ``func_name`` before a session runs.  Our runners dispatch on
   ``func_name`` through ortpass's own registry instead, so only Functions registered
   here (:func:`register_function`), exported in this process, or ortpass's own
-  (``ortpass.export.density.FlagAndPrintDensity``) run.
+  (:data:`ortpass.conventions.BUILTIN_FUNCTIONS`: the density flag, the fused attention) run.
 
 A std::vector returned by value travels through a hidden pointer (x86-64 SysV / Itanium
 C++ ABI), so the C signature of our callbacks starts with that pointer, and the result

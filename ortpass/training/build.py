@@ -557,10 +557,12 @@ class _OrtShapeInferer:
 
 
 def _plain_dims(shape) -> list[int | str | None] | None:
+    """An inferer's shape (``ir.Shape``, or a sequence of ints, names and None) as ORT's
+    inference takes it."""
     if shape is None:
         return None
     dims = shape.dims if isinstance(shape, ir.Shape) else shape
-    return [d if isinstance(d, int) or d is None else (str(d) if not isinstance(d, ir.SymbolicDim) else d.value) for d in dims]
+    return [d.value if isinstance(d, ir.SymbolicDim) else d for d in dims]
 
 
 def _infer_static_shapes(proto: onnx.ModelProto) -> onnx.ModelProto | None:
