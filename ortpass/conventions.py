@@ -1,10 +1,91 @@
-"""Names shared across ortpass's stages (no torch, no ORT)."""
+"""Names every stage of ortpass agrees on, defined once.
+
+Metadata keys, pass-ordering property names, analysis keys, op domains and the op-label
+format, the limits of the ONNX Runtime build ortpass targets, environment variables, and
+the func_names of ortpass's own autograd Functions.  Plain constants and two tiny helpers:
+no torch, no ORT, no onnx_ir import, so any module may import this one.
+"""
 
 from __future__ import annotations
 
-__all__ = ["BUILTIN_FUNCTIONS", "DENSITY_FLAG", "FUSED_ATTENTION", "FUSED_MASKED_ATTENTION"]
+__all__ = [
+    "BUILTIN_FUNCTIONS",
+    "CREATED_BY_KEY",
+    "DENSITY_FLAG",
+    "DROPOUT_SEEDS_FIXED",
+    "EXPORT_KEY",
+    "FUSED_ATTENTION",
+    "FUSED_MASKED_ATTENTION",
+    "MAX_ORT_IR_VERSION",
+    "MAX_ORT_OPSET",
+    "MS_DOMAIN",
+    "ONNX_DOMAINS",
+    "PASS_ENTRY_POINT_GROUP",
+    "PRINT_DENSITY_ENV",
+    "RECOMPUTED",
+    "RECOMPUTE_CANDIDATES",
+    "RECOMPUTE_OF_KEY",
+    "REPLAY_OF_KEY",
+    "SHAPES",
+    "SIDE_KEY",
+    "TRAINING_GRAPH",
+    "TRAINING_KEY",
+    "is_onnx_domain",
+    "op_label",
+]
 
-#: func_names of ortpass's own autograd Functions.
+# -- metadata keys (model or node ``metadata_props``) ----------------------------------
+#: Model: the export record (JSON) written by ``ortpass.export``.
+EXPORT_KEY = "pkg.ortpass.export"
+#: Node: the name of the pass that created it.
+CREATED_BY_KEY = "pkg.ortpass.created_by"
+#: Node: ``forward`` or ``backward``, tagged by the gradient build.
+SIDE_KEY = "pkg.ortpass.side"
+#: Model: the partition record of a training graph (JSON), written by the gradient build.
+TRAINING_KEY = "pkg.ortpass.training"
+#: Node: the forward node a recompute clone copies.
+RECOMPUTE_OF_KEY = "pkg.ortpass.recompute_of"
+#: Node: the forward Dropout whose mask a replayed Dropout reproduces.
+REPLAY_OF_KEY = "pkg.ortpass.replay_of"
+
+# -- pass-ordering properties (``requires_properties`` / ``provides_properties``) -------
+SHAPES = "shapes"
+TRAINING_GRAPH = "training-graph"
+DROPOUT_SEEDS_FIXED = "dropout-seeds-fixed"
+RECOMPUTED = "recomputed"
+
+# -- analysis cache keys -----------------------------------------------------------------
+RECOMPUTE_CANDIDATES = "recompute-candidates"
+
+# -- domains and op labels -----------------------------------------------------------------
+MS_DOMAIN = "com.microsoft"
+#: The two spellings of the default ONNX domain.
+ONNX_DOMAINS = frozenset({"", "ai.onnx"})
+
+
+def is_onnx_domain(domain: str) -> bool:
+    """Whether ``domain`` names the default ONNX domain (``""`` or ``"ai.onnx"``)."""
+    return domain in ONNX_DOMAINS
+
+
+def op_label(domain: str, op_type: str) -> str:
+    """How reports and errors name an op: ``Gemm``, or ``com.microsoft::PythonOp``."""
+    return op_type if domain in ONNX_DOMAINS else f"{domain}::{op_type}"
+
+
+# -- the ONNX Runtime build ortpass targets (1.19.2) ----------------------------------------
+#: Highest ai.onnx opset ORT 1.19.2 loads.
+MAX_ORT_OPSET = 21
+#: Highest IR version ORT 1.19.2 loads.
+MAX_ORT_IR_VERSION = 10
+
+# -- environment variables and entry points ---------------------------------------------------
+#: ``1``: keep the label-density flags in the graph and print each batch's density.
+PRINT_DENSITY_ENV = "ORTPASS_PRINT_INPUT_DENSITY"
+#: Python entry-point group under which installed packages register passes.
+PASS_ENTRY_POINT_GROUP = "ortpass.passes"
+
+# -- ortpass's own autograd Functions (func_names as exported) --------------------------------
 DENSITY_FLAG = "ortpass.export.density.FlagAndPrintDensity"
 FUSED_ATTENTION = "ortpass.export.fused_attention.FusedAttention"
 FUSED_MASKED_ATTENTION = "ortpass.export.fused_attention.FusedMaskedAttention"
