@@ -9,8 +9,8 @@ runtime subpackages import those when used, and so does ``ortpass.ORTModule`` (t
 drop-in ``torch.nn.Module`` wrapper, :mod:`ortpass.runtime.module`) on first access.
 """
 
-from ortpass.manager import PassManager, PassReport, pipeline
-from ortpass.registry import available_passes, get_pass, register_pass
+from ortpass.infra.manager import PassManager, PassReport, pipeline
+from ortpass.infra.registry import available_passes, get_pass, register_pass
 
 __all__ = [
     "ORTModule",

@@ -39,11 +39,11 @@ from ortpass.errors import (
     UnregisteredFunctionError,
     elide,
 )
-from ortpass.instruments import ProgressInstrument
-from ortpass.manager import _pass_name, parse_pipeline, pipeline
-from ortpass.metadata import get_export_info
-from ortpass.registry import available_passes, get_pass
-from ortpass.validate import check_model
+from ortpass.infra.instruments import ProgressInstrument
+from ortpass.infra.manager import _pass_name, parse_pipeline, pipeline
+from ortpass.infra.metadata import get_export_info
+from ortpass.infra.registry import available_passes, get_pass
+from ortpass.infra.validate import check_model
 
 __all__ = ["DEFAULT_PIPELINE", "main"]
 
@@ -430,7 +430,7 @@ def _report(args: argparse.Namespace) -> int:
 def _check_report_input(model: ir.Model) -> None:
     """What the pass manager checks on its input: the onnx checker's rules on the IR, and
     ortpass's metadata and attributes, before the analysis reads them."""
-    from ortpass.checks import input_check
+    from ortpass.infra.checks import input_check
 
     try:
         input_check(model)

@@ -7,7 +7,7 @@ import onnx.helper as oh
 import onnx_ir as ir
 import pytest
 
-from ortpass import registry
+from ortpass.infra import registry
 
 
 def make_relu_model() -> ir.Model:

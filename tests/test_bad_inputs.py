@@ -44,7 +44,7 @@ from ortpass.errors import (
     UnregisteredFunctionError,
     OrtpassError,
 )
-from ortpass.metadata import EXPORT_KEY
+from ortpass.infra.metadata import EXPORT_KEY
 from ortpass.testing.graphs import GraphRecipe, LossRecipe, Step, build_model, make_batch, params_of
 
 FLOAT, INT64 = onnx.TensorProto.FLOAT, onnx.TensorProto.INT64
@@ -933,7 +933,7 @@ def _refused(check: Callable[[ir.Model], Any], model: ir.Model) -> bool:
 def test_the_input_check_on_the_ir_refuses_what_the_onnx_checker_refuses(tmp_path: Path):
     """The default check mode checks its input on the IR (``checks.input_check``) instead of
     serializing it for the onnx checker; on every model of the corpus both give one verdict."""
-    from ortpass import checks
+    from ortpass.infra import checks
 
     verdicts = {}
     for i, case in enumerate(CASES):

@@ -1,8 +1,8 @@
 """Property tests: the checks on the IR give the onnx checker's verdict.
 
 The manager's default mode never serializes a model between its input and its output: it
-checks the input with :func:`ortpass.checks.input_check` and each pass's output with
-:func:`ortpass.checks.incremental_check`, both written to refuse exactly what
+checks the input with :func:`ortpass.infra.checks.input_check` and each pass's output with
+:func:`ortpass.infra.checks.incremental_check`, both written to refuse exactly what
 ``onnx.checker.check_model`` refuses.  Here random forward graphs (the generator of the
 pass property tests) get one random breakage each, or none, and each IR check must agree
 with the onnx checker on whether the model is valid:
@@ -21,7 +21,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from test_properties import PROPERTY_SETTINGS, recipes
 
-from ortpass import checks
+from ortpass.infra import checks
 from ortpass.testing.graphs import build_model
 
 # The checks take milliseconds on these graphs: four times the pass properties' examples.

@@ -15,7 +15,7 @@ import pytest
 
 from conftest import make_relu_model
 from ortpass.cli import main
-from ortpass.passes.base import OrtPass
+from ortpass.infra.base import OrtPass
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -207,7 +207,7 @@ def test_the_installed_command_with_a_plugin_pass_from_an_entry_point(model_file
     (plugin / "cli_plugin_pass.py").write_text(textwrap.dedent(
         '''
         import onnx_ir as ir
-        from ortpass.passes.base import OrtPass
+        from ortpass.infra.base import OrtPass
 
         class NegateInput(OrtPass):
             """Puts a Neg in front of the first node."""

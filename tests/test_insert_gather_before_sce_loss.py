@@ -11,7 +11,7 @@ import onnx_ir as ir
 import pytest
 from onnx import TensorProto
 
-from ortpass.passes.base import CREATED_BY_KEY
+from ortpass.infra.base import CREATED_BY_KEY
 from ortpass.runtime import TrainingSession
 from ortpass.training import build_training_graph
 from ortpass.passes.insert_gather_before_sce_loss import (

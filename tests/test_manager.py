@@ -16,13 +16,14 @@ import onnx_ir as ir
 import pytest
 from onnx_ir.passes.common import IdentityEliminationPass
 
-from ortpass import PassManager, PassReport, checks
-from ortpass import manager as manager_module
-from ortpass.checks import CheckedState
+from ortpass import PassManager, PassReport
+from ortpass.infra import checks
+from ortpass.infra import manager as manager_module
+from ortpass.infra.checks import CheckedState
 from ortpass.errors import ModelLoadError, PassFailedError, PassOrderingError
-from ortpass.instruments import ProgressInstrument
-from ortpass.manager import ManagerResult, order_passes
-from ortpass.passes.base import CREATED_BY_KEY, OrtFunctionalPass, OrtPass
+from ortpass.infra.instruments import ProgressInstrument
+from ortpass.infra.manager import ManagerResult, order_passes
+from ortpass.infra.base import CREATED_BY_KEY, OrtFunctionalPass, OrtPass
 
 # -- passes used by these tests -------------------------------------------------------------
 
@@ -459,7 +460,7 @@ def test_an_input_newer_than_the_checker_is_refused_before_any_pass(relu_model, 
 def blind_input_check(monkeypatch):
     """An input check that sees nothing, standing for a flaw of the input that only the
     onnx checker itself finds (the incremental mode checks the input on the IR)."""
-    monkeypatch.setattr("ortpass.manager.input_check", CheckedState.of)
+    monkeypatch.setattr("ortpass.infra.manager.input_check", CheckedState.of)
 
 
 def test_a_pass_failing_on_an_input_only_the_checker_refuses_blames_the_input(relu_model, blind_input_check):
@@ -795,7 +796,7 @@ def test_instruments_see_every_pass_and_the_rolled_back_model(relu_model):
 
 
 def test_progress_instrument_logs_position_and_outcome(relu_model, caplog):
-    caplog.set_level(logging.INFO, logger="ortpass.instruments")
+    caplog.set_level(logging.INFO, logger="ortpass.infra.instruments")
     PassManager([InsertIdentityPass(), NoOpPass()], instruments=[ProgressInstrument()])(relu_model)
     messages = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
     assert len(messages) == 2
@@ -813,7 +814,7 @@ def _modules_after_import(statement: str) -> set[str]:
 
 
 def test_importing_the_manager_and_the_command_does_not_start_onnxruntime():
-    assert "onnxruntime" not in _modules_after_import("import ortpass, ortpass.manager, ortpass.cli")
+    assert "onnxruntime" not in _modules_after_import("import ortpass, ortpass.infra.manager, ortpass.cli")
 
 
 def test_importing_ortpass_does_not_import_torch():
@@ -821,7 +822,7 @@ def test_importing_ortpass_does_not_import_torch():
 
 
 def test_table_cells_list_the_commonest_op_types_and_count_the_rest():
-    from ortpass.manager import _format_counts
+    from ortpass.infra.manager import _format_counts
 
     counts = {f"Op{i}": i for i in range(1, 10)}  # 9 types, 45 nodes
     assert _format_counts(counts, "+") == "Op9+9 Op8+8 Op7+7 Op6+6 Op5+5 Op4+4 (+3 types, +6)"
@@ -937,7 +938,7 @@ def test_nodes_created_in_a_subgraph_are_counted_and_tagged():
 def blind_incremental_check(monkeypatch):
     """An incremental check that sees nothing, standing for what it cannot see (say, a
     tensor changed in place): only the final check can catch a broken model then."""
-    monkeypatch.setattr("ortpass.manager.incremental_check", lambda model, previous: CheckedState.of(model))
+    monkeypatch.setattr("ortpass.infra.manager.incremental_check", lambda model, previous: CheckedState.of(model))
 
 
 class BreaksTheModelOnlyTheFirstTimePass(ReadsUndefinedValuePass):

@@ -1,4 +1,4 @@
-"""Pass options checked against the types their constructors declare (ortpass.options)."""
+"""Pass options checked against the types their constructors declare (ortpass.infra.options)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import onnx_ir as ir
 import pytest
 
 from ortpass.errors import PipelineSpecError
-from ortpass.options import NonNegativeInt, check_options
+from ortpass.infra.options import NonNegativeInt, check_options
 
 
 class Declared(ir.passes.InPlacePass):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import ortpass
-from ortpass import checks
+from ortpass.infra import checks
 from ortpass.export import export
 from ortpass.runtime import TrainingSession
 from ortpass.runtime.parity import check_parity

@@ -7,8 +7,8 @@ import pytest
 
 from ortpass import pipeline
 from ortpass.errors import PassOrderingError, PipelineSpecError
-from ortpass.manager import PassSpec, parse_pipeline
-from ortpass.passes.base import OrtPass
+from ortpass.infra.manager import PassSpec, parse_pipeline
+from ortpass.infra.base import OrtPass
 
 
 class ScalePass(OrtPass):

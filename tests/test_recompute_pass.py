@@ -485,7 +485,7 @@ def test_clones_and_gradient_outputs_run_when_backward_needs_them_on_ort(decoder
 
 
 def test_recompute_pass_is_registered_post_grad():
-    from ortpass.registry import get_pass
+    from ortpass.infra.registry import get_pass
 
     assert get_pass("recompute") is RecomputePass and RecomputePass.phase == "post-grad"
     assert get_pass("fix-dropout-seed") is FixDropoutSeedPass

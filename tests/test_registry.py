@@ -10,8 +10,8 @@ import pytest
 
 from ortpass import available_passes, get_pass, pipeline, register_pass
 from ortpass.errors import PipelineSpecError
-from ortpass.passes.base import OrtPass
-from ortpass.registry import ENTRY_POINT_GROUP
+from ortpass.infra.base import OrtPass
+from ortpass.infra.registry import ENTRY_POINT_GROUP
 
 
 class _Unchanged(OrtPass):
@@ -58,7 +58,7 @@ def plugin_dist(tmp_path, monkeypatch, isolated_registry):
         textwrap.dedent(
             '''
             import onnx_ir as ir
-            from ortpass.passes.base import OrtPass
+            from ortpass.infra.base import OrtPass
 
             class PluginPass(OrtPass):
                 """Adds an Identity after the first graph input."""

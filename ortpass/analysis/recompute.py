@@ -68,7 +68,7 @@ from ortpass.analysis.recomputable_ops import (
     lookup_recomputable,
     recomputable_function_of,
 )
-from ortpass.metadata import get_export_info
+from ortpass.infra.metadata import get_export_info
 
 __all__ = [
     "DEFAULT_MAX_NODES",

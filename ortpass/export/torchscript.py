@@ -25,7 +25,7 @@ import torch
 
 from ortpass.errors import ExportError
 from ortpass.export.pythonop import name_context_outputs
-from ortpass.metadata import EXPORT_KEY
+from ortpass.infra.metadata import EXPORT_KEY
 from ortpass.training.build import MAX_ORT_OPSET
 
 __all__ = ["export"]

@@ -1,6 +1,6 @@
 """ortpass's built-in passes, one module per pass.  Importing this package registers them."""
 
-from ortpass.passes.base import CREATED_BY_KEY, OrtFunctionalPass, OrtPass
+from ortpass.infra.base import CREATED_BY_KEY, OrtFunctionalPass, OrtPass
 from ortpass.passes.build_training_graph import BuildTrainingGraphPass
 from ortpass.passes.fix_dropout_seed import FixDropoutSeedPass
 from ortpass.passes.insert_gather_before_sce_loss import InsertGatherBeforeSceLossPass

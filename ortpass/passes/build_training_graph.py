@@ -14,11 +14,11 @@ from typing import Sequence
 import onnx_ir as ir
 
 from ortpass.analysis.partition import get_partition, is_training_graph
-from ortpass.passes.base import OrtFunctionalPass
-from ortpass.registry import register_pass
-from ortpass.metadata import get_export_info
+from ortpass.infra.base import OrtFunctionalPass
+from ortpass.infra.registry import register_pass
+from ortpass.infra.metadata import get_export_info
 from ortpass.training.build import _resolve_loss, _resolve_params, build_training_graph, check_forward_model
-from ortpass.validate import check_for_gradient_build
+from ortpass.infra.validate import check_for_gradient_build
 
 __all__ = ["BuildTrainingGraphPass"]
 
@@ -39,7 +39,7 @@ class BuildTrainingGraphPass(OrtFunctionalPass):
 
     def check_input(self, model: ir.Model) -> None:
         """What the build would refuse only after the pre-grad passes ran: the model
-        (:func:`ortpass.validate.check_for_gradient_build`), its loss and parameters (given,
+        (:func:`ortpass.infra.validate.check_for_gradient_build`), its loss and parameters (given,
         or recorded at export), and its graph structure."""
         if is_training_graph(model):
             return  # requires() refuses it, naming why

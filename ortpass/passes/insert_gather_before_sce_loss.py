@@ -29,8 +29,8 @@ import onnx_ir as ir
 
 from ortpass.conventions import DENSITY_FLAG
 from ortpass.export.shape_inference import register_shape_inferer
-from ortpass.passes.base import CREATED_BY_KEY, OrtPass
-from ortpass.registry import register_pass
+from ortpass.infra.base import CREATED_BY_KEY, OrtPass
+from ortpass.infra.registry import register_pass
 
 __all__ = [
     "FLAG_FUNC_NAME",

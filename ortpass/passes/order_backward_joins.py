@@ -38,9 +38,9 @@ import onnx_ir as ir
 
 from ortpass.analysis.memory import is_alias_node, nbytes_at
 from ortpass.analysis.partition import is_backward
-from ortpass.metadata import get_export_info
-from ortpass.passes.base import OrtPass
-from ortpass.registry import register_pass
+from ortpass.infra.metadata import get_export_info
+from ortpass.infra.base import OrtPass
+from ortpass.infra.registry import register_pass
 
 __all__ = ["OrderBackwardJoinsPass"]
 

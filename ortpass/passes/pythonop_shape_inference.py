@@ -10,8 +10,8 @@ import onnx_ir.passes.common as common_passes
 
 from ortpass.errors import OrtpassError
 from ortpass.export.shape_inference import get_shape_inferer
-from ortpass.passes.base import OrtPass
-from ortpass.registry import register_pass
+from ortpass.infra.base import OrtPass
+from ortpass.infra.registry import register_pass
 
 __all__ = ["PythonOpShapeInferencePass"]
 

@@ -84,7 +84,7 @@ from typing import Iterable, Sequence
 
 import onnx_ir as ir
 
-from ortpass.analysis.cache import AnalysisCache
+from ortpass.infra.analysis_cache import AnalysisCache
 from ortpass.analysis.partition import SIDE_KEY, is_backward
 from ortpass.analysis.plans import PlanSpec, PlanType, load_plan_file, parse_plans
 from ortpass.analysis.recomputable_ops import MS_DOMAIN, OptionalOutputs, ProbeLevel
@@ -95,10 +95,10 @@ from ortpass.analysis.recompute import (
     find_recompute_candidates,
 )
 from ortpass.errors import PlanError
-from ortpass.options import NonNegativeInt, ProbeLevelOption, RecomputeLevel
+from ortpass.infra.options import NonNegativeInt, ProbeLevelOption, RecomputeLevel
 from ortpass.passes import recompute_pythonop
-from ortpass.passes.base import CREATED_BY_KEY, OrtPass
-from ortpass.registry import register_pass
+from ortpass.infra.base import CREATED_BY_KEY, OrtPass
+from ortpass.infra.registry import register_pass
 
 __all__ = [
     "ANALYSIS",

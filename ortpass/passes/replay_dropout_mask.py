@@ -38,9 +38,9 @@ import onnx_ir as ir
 
 from ortpass.analysis.partition import is_backward, tag
 from ortpass.analysis.recomputable_ops import MS_DOMAIN
-from ortpass.passes.base import OrtPass
+from ortpass.infra.base import OrtPass
 from ortpass.passes.fix_dropout_seed import dropout_seed
-from ortpass.registry import register_pass
+from ortpass.infra.registry import register_pass
 
 __all__ = ["REPLAY_OF_KEY", "ReplayDropoutMaskPass"]
 

@@ -59,7 +59,7 @@ import torch
 
 from ortpass.conventions import BUILTIN_FUNCTIONS
 from ortpass.errors import UnregisteredFunctionError
-from ortpass.validate import REQUIRED_PYTHONOP_ATTRIBUTES, refuse_pythonop_missing_attributes
+from ortpass.infra.validate import REQUIRED_PYTHONOP_ATTRIBUTES, refuse_pythonop_missing_attributes
 
 __all__ = [
     "REQUIRED_PYTHONOP_ATTRIBUTES",

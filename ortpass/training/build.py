@@ -29,9 +29,9 @@ import onnx_ir as ir
 
 from ortpass.analysis.partition import SIDE_KEY, TrainingInfo, set_training_info, tag
 from ortpass.errors import TrainingGraphError
-from ortpass.metadata import get_export_info
+from ortpass.infra.metadata import get_export_info
 from ortpass.ort_schemas import register_ort_schemas
-from ortpass.validate import check_for_gradient_build
+from ortpass.infra.validate import check_for_gradient_build
 
 __all__ = ["build_training_graph", "check_forward_model", "clamp_for_ort", "MAX_ORT_OPSET", "MAX_ORT_IR_VERSION"]
 
@@ -75,7 +75,7 @@ def build_training_graph(
         TrainingGraphError: the loss or a parameter cannot be found, the opset is newer
             than ORT 1.19.2 loads, or ORT's gradient builder refuses the graph.
         ModelLoadError: the model has no nodes, local functions, a subgraph reading a
-            parameter, or malformed metadata (:func:`ortpass.validate.check_for_gradient_build`).
+            parameter, or malformed metadata (:func:`ortpass.infra.validate.check_for_gradient_build`).
     """
     # The declared shapes are checked on the pipeline's input (the pass's check_input);
     # here only what ORT would report as its own internals, or get wrong.

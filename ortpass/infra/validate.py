@@ -4,7 +4,7 @@ passes would only stumble on later, with one line naming the node, value or key.
 Two levels:
 
 * :func:`check_model` - what every pipeline and ``ortpass report`` relies on: ortpass's
-  own metadata is well formed (:func:`ortpass.metadata.get_export_info`) and every
+  own metadata is well formed (:func:`ortpass.infra.metadata.get_export_info`) and every
   ``com.microsoft::PythonOp``'s attributes have the types ORT's schema gives them.
 * :func:`check_for_gradient_build` - what ORT's gradient builder cannot differentiate, or
   would differentiate wrongly: an empty graph, model-local functions, a control-flow
@@ -27,7 +27,7 @@ import onnx
 import onnx_ir as ir
 
 from ortpass.errors import ModelLoadError, elide
-from ortpass.metadata import get_export_info
+from ortpass.infra.metadata import get_export_info
 
 __all__ = [
     "REQUIRED_PYTHONOP_ATTRIBUTES",

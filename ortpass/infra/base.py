@@ -16,7 +16,7 @@ passes without relying on list position:
 ``runs_before`` / ``runs_after``
     Names of other passes this one must precede or follow when both are in a set.
 ``preserves_analyses``
-    Names of cached analyses (:mod:`ortpass.analysis.cache`) that stay valid after this
+    Names of cached analyses (:mod:`ortpass.infra.analysis_cache`) that stay valid after this
     pass changed the model; the manager drops the others.  Inside a manager run a pass
     finds the run's cache in :attr:`OrtPass.analysis_cache` (None when run alone).
 
@@ -34,7 +34,7 @@ from typing import Any, ClassVar, Literal
 
 import onnx_ir as ir
 
-from ortpass.analysis.cache import AnalysisCache
+from ortpass.infra.analysis_cache import AnalysisCache
 
 __all__ = ["OrtPass", "OrtFunctionalPass", "PassDeclarations", "Phase", "PHASES", "CREATED_BY_KEY"]
 

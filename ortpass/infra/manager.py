@@ -3,12 +3,12 @@ after each one, rolls back a failing pass, and reports what every pass did.
 
 :class:`PassManager` is itself an ``onnx_ir`` :class:`~onnx_ir.passes.FunctionalPass`: the
 model it is given is never changed (the first in-place pass gets a copy; the passes after
-it rewrite that copy, and :mod:`ortpass.rollback` rebuilds what a failing pass was given),
+it rewrite that copy, and :mod:`ortpass.infra.rollback` rebuilds what a failing pass was given),
 it returns a new model, and it can be nested inside any onnx_ir ``PassManager``.  Its
 result is a :class:`ManagerResult`, an ``onnx_ir`` ``PassResult`` that also carries the
 :class:`PassReport`.
 
-Ordering rules, from the declarations in :mod:`ortpass.passes.base`:
+Ordering rules, from the declarations in :mod:`ortpass.infra.base`:
 
 * phase: ``pre-grad`` passes run before the pass that provides ``"training-graph"``,
   ``post-grad`` passes after it (a post-grad pass implicitly requires ``"training-graph"``);
@@ -43,8 +43,8 @@ from typing import Any, Callable, Iterable, Iterator, NoReturn, Sequence
 import onnx
 import onnx_ir as ir
 
-from ortpass.analysis.cache import AnalysisCache
-from ortpass.checks import (
+from ortpass.infra.analysis_cache import AnalysisCache
+from ortpass.infra.checks import (
     Checked,
     CheckedState,
     check_mode,
@@ -61,11 +61,11 @@ from ortpass.errors import (
     elide,
 )
 from ortpass.io import write_file, write_with
-from ortpass.options import check_options
-from ortpass.passes.base import CREATED_BY_KEY, PassDeclarations
-from ortpass.registry import get_pass
-from ortpass.rollback import RollbackPoint
-from ortpass.validate import check_model
+from ortpass.infra.options import check_options
+from ortpass.infra.base import CREATED_BY_KEY, PassDeclarations
+from ortpass.infra.registry import get_pass
+from ortpass.infra.rollback import RollbackPoint
+from ortpass.infra.validate import check_model
 
 __all__ = [
     "TRAINING_GRAPH",
@@ -481,7 +481,7 @@ def _stats_of(pass_: ir.passes.PassBase) -> dict[str, Any]:
 
 
 #: How to get back the model a pass was given: the model, and None or a sentence saying
-#: that only an earlier state could be given back (see :mod:`ortpass.rollback`).
+#: that only an earlier state could be given back (see :mod:`ortpass.infra.rollback`).
 Rollback = Callable[[], tuple[ir.Model, str | None]]
 
 
@@ -540,7 +540,7 @@ class PassManager(ir.passes.FunctionalPass):
 
             Without the full check's serialization to go back to, a failing pass's input
             is rebuilt by running the passes before it again from the latest copy (see
-            :mod:`ortpass.rollback`): the manager copies the model only where that would
+            :mod:`ortpass.infra.rollback`): the manager copies the model only where that would
             take longer than ten copies.  This assumes passes are deterministic.
 
             The pass's own ``ensures`` postconditions run through onnx_ir's
@@ -548,7 +548,7 @@ class PassManager(ir.passes.FunctionalPass):
         dump_dir: if given, write ``NN_<pass>.onnx`` after each pass that changed the
             model (NN = its 2-digit position), and ``NN_<pass>.failed-input.onnx`` with the
             input of a pass that failed, to reproduce the failure with that pass alone.
-        instruments: hook objects, see :mod:`ortpass.instruments`.
+        instruments: hook objects, see :mod:`ortpass.infra.instruments`.
 
     Calling the manager returns a :class:`ManagerResult` (``.model``, ``.modified``,
     ``.report``, ``.proto``); the report of the latest run is also kept in ``.report``.  If a pass
@@ -652,7 +652,7 @@ class PassManager(ir.passes.FunctionalPass):
     @staticmethod
     def _refuse_input_if_the_checker_does(model: ir.Model, found_when: str) -> None:
         """In the incremental mode the input got the checker's rules on the IR, not the
-        checker itself (see :func:`ortpass.checks.input_check`).  Should a pass fail, or
+        checker itself (see :func:`ortpass.infra.checks.input_check`).  Should a pass fail, or
         the final check refuse, on an input that only the checker refuses, the input is to
         blame, not a pass.  ``found_when``: what failed, for the message."""
         try:
@@ -692,7 +692,7 @@ class PassManager(ir.passes.FunctionalPass):
 
     def _check_input(self, model: ir.Model) -> Checked:
         """Check the input; in the incremental mode with the checker's rules on the IR
-        and the checker itself on the model's header (:func:`ortpass.checks.input_check`),
+        and the checker itself on the model's header (:func:`ortpass.infra.checks.input_check`),
         since serializing the model is most of a full check's cost.  Should a pass fail
         later, the checker itself looks at the input before the pass is blamed."""
         try:
@@ -764,7 +764,7 @@ class PassManager(ir.passes.FunctionalPass):
         The caller's model is never changed: an in-place pass given it works on a clone
         (as checked as its original).  An in-place pass given the manager's own model
         rewrites it in place, so that analyses cached for it stay usable; ``point``
-        rebuilds it should the pass fail (see :mod:`ortpass.rollback`).
+        rebuilds it should the pass fail (see :mod:`ortpass.infra.rollback`).
         """
         if not pass_.changes_input:
             return model, lambda: (model, None), checked  # a functional pass leaves its input alone
@@ -1074,7 +1074,7 @@ def _construct(spec: PassSpec) -> ir.passes.PassBase:
 def pipeline(spec: str, **manager_kwargs: Any) -> PassManager:
     """Build a :class:`PassManager` from text such as ``"a,b(opt=1,name='x'),c"``.
 
-    Pass names are looked up with :func:`ortpass.registry.get_pass`; option values are
+    Pass names are looked up with :func:`ortpass.infra.registry.get_pass`; option values are
     Python literals (int, float, True/False, None, quoted strings, and [lists] of those)
     checked against the pass constructor.  ``manager_kwargs`` go to PassManager.
     Raises PipelineSpecError naming the pass, option or text position that is wrong.
