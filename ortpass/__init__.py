@@ -9,8 +9,10 @@ runtime subpackages import those when used, and so does ``ortpass.ORTModule`` (t
 drop-in ``torch.nn.Module`` wrapper, :mod:`ortpass.runtime.module`) on first access.
 """
 
-from ortpass.infra.manager import PassManager, PassReport, pipeline
+from ortpass.infra.manager import PassManager
+from ortpass.infra.pipeline_text import pipeline
 from ortpass.infra.registry import available_passes, get_pass, register_pass
+from ortpass.infra.report import PassReport
 
 __all__ = [
     "ORTModule",

@@ -39,9 +39,10 @@ from ortpass.errors import (
     UnregisteredFunctionError,
     elide,
 )
+from ortpass.infra.base import pass_name_of
 from ortpass.infra.instruments import ProgressInstrument
-from ortpass.infra.manager import _pass_name, parse_pipeline, pipeline
 from ortpass.infra.metadata import get_export_info
+from ortpass.infra.pipeline_text import parse_pipeline, pipeline
 from ortpass.infra.registry import available_passes, get_pass
 from ortpass.infra.validate import check_model
 
@@ -348,7 +349,7 @@ def _dump_files(manager: Any, directory: Path) -> list[tuple[str, Path]]:
         raise UsageError(f"--dump-dir {directory} is a file, not a directory")
     files = []
     for position, pass_ in enumerate(manager.passes, start=1):
-        name = f"{position:02d}_{_pass_name(pass_)}"
+        name = f"{position:02d}_{pass_name_of(pass_)}"
         files += [("--dump-dir", directory / f"{name}.onnx"), ("--dump-dir", directory / f"{name}.failed-input.onnx")]
     return files
 

@@ -17,13 +17,14 @@ import pytest
 from onnx_ir.passes.common import IdentityEliminationPass
 
 from ortpass import PassManager, PassReport
+from ortpass.errors import ModelLoadError, PassFailedError, PassOrderingError
 from ortpass.infra import checks
 from ortpass.infra import manager as manager_module
-from ortpass.infra.checks import CheckedState
-from ortpass.errors import ModelLoadError, PassFailedError, PassOrderingError
-from ortpass.infra.instruments import ProgressInstrument
-from ortpass.infra.manager import ManagerResult, order_passes
 from ortpass.infra.base import CREATED_BY_KEY, OrtFunctionalPass, OrtPass
+from ortpass.infra.checks import CheckedState
+from ortpass.infra.instruments import ProgressInstrument
+from ortpass.infra.ordering import order_passes
+from ortpass.infra.report import ManagerResult
 
 # -- passes used by these tests -------------------------------------------------------------
 
@@ -460,7 +461,7 @@ def test_an_input_newer_than_the_checker_is_refused_before_any_pass(relu_model, 
 def blind_input_check(monkeypatch):
     """An input check that sees nothing, standing for a flaw of the input that only the
     onnx checker itself finds (the incremental mode checks the input on the IR)."""
-    monkeypatch.setattr("ortpass.infra.manager.input_check", CheckedState.of)
+    monkeypatch.setattr("ortpass.infra.checkers.input_check", CheckedState.of)
 
 
 def test_a_pass_failing_on_an_input_only_the_checker_refuses_blames_the_input(relu_model, blind_input_check):
@@ -495,8 +496,8 @@ def test_no_serialization_is_carried_where_no_check_made_one(relu_model, check, 
 
 def test_a_pass_reuses_the_node_listing_the_pass_before_left(relu_model, monkeypatch):
     listings = []
-    real = manager_module._all_nodes
-    monkeypatch.setattr(manager_module, "_all_nodes", lambda model: (listings.append(model), real(model))[1])
+    real = manager_module.all_nodes
+    monkeypatch.setattr(manager_module, "all_nodes", lambda model: (listings.append(model), real(model))[1])
     report = PassManager([InsertIdentityPass(), InsertIdentityPass(), NoOpPass()], check="none")(relu_model).report
     # The first pass's input (a copy of the caller's model), then each pass's output.
     assert len(listings) == 4
@@ -822,7 +823,7 @@ def test_importing_ortpass_does_not_import_torch():
 
 
 def test_table_cells_list_the_commonest_op_types_and_count_the_rest():
-    from ortpass.infra.manager import _format_counts
+    from ortpass.infra.report import _format_counts
 
     counts = {f"Op{i}": i for i in range(1, 10)}  # 9 types, 45 nodes
     assert _format_counts(counts, "+") == "Op9+9 Op8+8 Op7+7 Op6+6 Op5+5 Op4+4 (+3 types, +6)"
@@ -938,7 +939,7 @@ def test_nodes_created_in_a_subgraph_are_counted_and_tagged():
 def blind_incremental_check(monkeypatch):
     """An incremental check that sees nothing, standing for what it cannot see (say, a
     tensor changed in place): only the final check can catch a broken model then."""
-    monkeypatch.setattr("ortpass.infra.manager.incremental_check", lambda model, previous: CheckedState.of(model))
+    monkeypatch.setattr("ortpass.infra.checkers.incremental_check", lambda model, previous: CheckedState.of(model))
 
 
 class BreaksTheModelOnlyTheFirstTimePass(ReadsUndefinedValuePass):

@@ -7,8 +7,8 @@ import pytest
 
 from ortpass import pipeline
 from ortpass.errors import PassOrderingError, PipelineSpecError
-from ortpass.infra.manager import PassSpec, parse_pipeline
 from ortpass.infra.base import OrtPass
+from ortpass.infra.pipeline_text import PassSpec, parse_pipeline
 
 
 class ScalePass(OrtPass):

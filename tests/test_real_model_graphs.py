@@ -82,7 +82,7 @@ FAMILIES = {"gpt2": _gpt2, "bert": _bert, "llama": _llama, "t5": _t5}
 @dataclasses.dataclass
 class _Run:
     module: _Loss
-    result: ortpass.infra.manager.ManagerResult
+    result: ortpass.infra.report.ManagerResult
     ort_loss: float
     ort_gradients: dict[str, np.ndarray]
     torch_loss: float

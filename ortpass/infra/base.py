@@ -47,6 +47,12 @@ CREATED_BY_KEY = "pkg.ortpass.created_by"
 DECLARATIONS = ("requires_properties", "provides_properties", "runs_before", "runs_after")
 
 
+def pass_name_of(pass_: ir.passes.PassBase) -> str:
+    """The name a pass goes by in pipelines, reports and logs: an ortpass pass's ``name``,
+    else the class name of a plain onnx_ir pass."""
+    return getattr(pass_, "name", None) or type(pass_).__name__
+
+
 class PassDeclarations:
     """Ordering declarations and statistics shared by in-place and functional passes."""
 
@@ -80,7 +86,7 @@ class PassDeclarations:
 
     @property
     def pass_name(self) -> str:
-        return self.name or type(self).__name__
+        return pass_name_of(self)
 
     # -- statistics -------------------------------------------------------------------
     @property

@@ -3,8 +3,8 @@
 ``"full"`` serializes the model and runs ``onnx.checker.check_model``; ``"incremental"``
 applies the same rules on the IR, to the whole input (:func:`input_check`), then looking
 again only at what changed since the last check (:func:`incremental_check`); ``"none"``
-checks nothing.  What a check accepted (:data:`Checked`) is handed to the next check, and
-in the full mode the serialization is also the manager's rollback point.
+checks nothing.  What a check accepted is handed to the next check
+(:mod:`ortpass.infra.checkers`).
 
 Both modes know ONNX Runtime's own ops in the ONNX domain (``SimplifiedLayerNormalization``
 and others, :mod:`ortpass.ort_schemas`), which ORT's fusions and gradient builder emit.
@@ -20,7 +20,7 @@ import onnx_ir as ir
 
 from ortpass.ort_schemas import register_ort_schemas
 
-__all__ = ["CHECK_MODES", "Checked", "CheckedState", "check_mode", "full_check", "incremental_check", "input_check"]
+__all__ = ["CHECK_MODES", "CheckedState", "full_check", "incremental_check", "input_check"]
 
 
 #: The ``check`` modes of :class:`PassManager` (``True`` means ``"full"``, ``False`` ``"none"``).
@@ -29,17 +29,6 @@ CHECK_MODES = ("full", "incremental", "none")
 _SUBGRAPH_ATTRIBUTES = (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS)
 
 register_ort_schemas()
-
-
-def check_mode(check: bool | str) -> str:
-    """The mode named by ``PassManager``'s ``check`` argument."""
-    if check is True:
-        return "full"
-    if check is False:
-        return "none"
-    if check in CHECK_MODES:
-        return check  # type: ignore[return-value]
-    raise ValueError(f"check must be True, False or one of {CHECK_MODES}, not {check!r}")
 
 
 def full_check(model: ir.Model) -> onnx.ModelProto:
@@ -156,11 +145,6 @@ class CheckedState:
         return state
 
 
-#: What a check accepted: the serialized model (full), the state of an incremental
-#: check, or None (no check).
-Checked = onnx.ModelProto | CheckedState | None
-
-
 def incremental_check(model: ir.Model, previous: CheckedState | None) -> CheckedState:
     """Raise ``onnx.checker.ValidationError`` where ``onnx.checker.check_model`` would
     reject ``model``, looking again only at what changed since ``previous`` was accepted
@@ -181,7 +165,7 @@ def incremental_check(model: ir.Model, previous: CheckedState | None) -> Checked
     """
     state = CheckedState.of(model)
     changed = [n for n, fp in state.nodes.items() if previous is None or previous.nodes.get(n) != fp]
-    if _needsfull_check(model, state, previous, changed):
+    if _needs_full_check(model, state, previous, changed):
         full_check(model)
         return state
     if previous is not None:
@@ -237,7 +221,7 @@ def _header(model: ir.Model) -> onnx.ModelProto:
     return ir.to_proto(header)
 
 
-def _needsfull_check(
+def _needs_full_check(
     model: ir.Model, state: CheckedState, previous: CheckedState | None, changed: list[ir.Node]
 ) -> bool:
     if model.functions or model.ir_version <= 3:

@@ -8,7 +8,7 @@ An instrument is any object with some of these methods (all optional):
     before each pass, with the model the pass is about to get;
 ``after_pass(pass_, model, record)``
     after each pass, with the model as it now stands and the pass's
-    :class:`ortpass.infra.manager.PassRecord`.  After a failing pass ``record.failed`` is true
+    :class:`ortpass.infra.report.PassRecord`.  After a failing pass ``record.failed`` is true
     and ``model`` is the model as it was before that pass (the manager rolled back);
 ``run_end(model, report)``
     once, after the last pass that ran (also when a pass failed).
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Sequence
 import onnx_ir as ir
 
 if TYPE_CHECKING:
-    from ortpass.infra.manager import PassRecord
+    from ortpass.infra.report import PassRecord
 
 __all__ = ["ProgressInstrument"]
 
