@@ -37,7 +37,7 @@ def profile(work: Path, key: str, steps: int) -> dict:
     import onnxruntime as ort
 
     from ortpass.passes.recompute_pythonop import register_rng_replay_functions
-    from ortpass.runtime import bridge
+    from ortpass.pythonop import bridge
     from ortpass.runtime.session import disabled_optimizers
 
     model = ir.load(work / f"{key}.onnx")

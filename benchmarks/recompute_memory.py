@@ -269,7 +269,7 @@ def child_ort(work: Path, key: str, steps: int, bridge: bool = False) -> dict:
         import onnx_ir as ir
 
         from ortpass.passes.recompute_pythonop import register_rng_replay_functions
-        from ortpass.runtime import bridge as torch_bridge
+        from ortpass.pythonop import bridge as torch_bridge
 
         model = ir.load(work / f"{key}.onnx")
         register_rng_replay_functions(model)  # the recompute clones' RNG-replaying Functions

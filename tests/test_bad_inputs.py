@@ -347,7 +347,7 @@ def session_run(batch: Callable[[], dict], params: dict | None = None) -> Callab
 
 
 def prepare(inp: Input):
-    from ortpass.runtime import bridge
+    from ortpass.pythonop import bridge
 
     return bridge.prepare(inp.model)
 

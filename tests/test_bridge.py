@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ortpass.errors import UnregisteredFunctionError
-from ortpass.runtime import bridge
+from ortpass.pythonop import bridge
 
 DROPOUT_P = 0.5  # exact in float32, so the bridge sees the same p as eager torch
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from ortpass.errors import ExportError
-from ortpass.export.custom_op import export_with_custom_ops
-from ortpass.export.pythonop import exported_functions
+from ortpass.pythonop.custom_op import export_with_custom_ops
+from ortpass.pythonop.export import exported_functions
 
 
 @torch.library.custom_op("ortpass_test::scale_clamp", mutates_args=())

@@ -18,9 +18,10 @@ from torch.nn.functional import cross_entropy as imported_cross_entropy
 from ortpass.errors import ExportError
 from ortpass.export import export
 from ortpass.export.density import FUNCTIONAL_SITE, FlagAndPrintDensity, density_probe, label_density
-from ortpass.export.pythonop import pythonop_export_context
+from ortpass.pythonop.export import pythonop_export_context
 from ortpass.passes.insert_gather_before_sce_loss import FLAG_FUNC_NAME, PRINT_DENSITY_ENV, InsertGatherBeforeSceLossPass
-from ortpass.runtime import TrainingSession, bridge
+from ortpass.pythonop import bridge
+from ortpass.runtime import TrainingSession
 from ortpass.runtime.parity import check_parity
 from ortpass.testing.models import MLP, BertMLM
 from ortpass.training import build_training_graph

@@ -18,7 +18,7 @@ from ortpass.cli import DEFAULT_PIPELINE
 from ortpass.conventions import BUILTIN_FUNCTIONS, DENSITY_FLAG, FUSED_ATTENTION, FUSED_MASKED_ATTENTION
 from ortpass.export import export
 from ortpass.export.fused_attention import FusedAttention, FusedMaskedAttention, fused_attention_export
-from ortpass.export.pythonop import qualified_name
+from ortpass.pythonop.export import qualified_name
 from ortpass.runtime import TrainingSession
 
 #: The default pipeline, recomputing tensors of any size (the tiny models' are all below
@@ -44,7 +44,7 @@ def test_func_names_are_the_ones_conventions_declares():
     assert qualified_name(FusedAttention) == FUSED_ATTENTION
     assert qualified_name(FusedMaskedAttention) == FUSED_MASKED_ATTENTION
     assert set(BUILTIN_FUNCTIONS) == {DENSITY_FLAG, FUSED_ATTENTION, FUSED_MASKED_ATTENTION}
-    from ortpass.runtime import bridge
+    from ortpass.pythonop import bridge
 
     known = bridge.registered_functions()
     for func_name in BUILTIN_FUNCTIONS:  # each entry names the class whose func_name it is

@@ -514,7 +514,7 @@ def test_flag_shape_inferer_is_known_without_torch():
 
     code = (
         "import sys, ortpass.passes\n"
-        "from ortpass.export.shape_inference import get_shape_inferer\n"
+        "from ortpass.pythonop.shape_inference import get_shape_inferer\n"
         "from ortpass.passes.insert_gather_before_sce_loss import FLAG_FUNC_NAMES\n"
         "assert all(get_shape_inferer(n) is not None for n in FLAG_FUNC_NAMES)\n"
         "assert 'torch' not in sys.modules\n"

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ortpass.errors import ExportError
-from ortpass.export.pythonop import (
+from ortpass.pythonop.export import (
     exported_functions,
     name_context_outputs,
     pythonop_export_context,

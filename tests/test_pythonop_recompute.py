@@ -17,10 +17,11 @@ from torch import nn
 import ortpass
 from ortpass.analysis import find_recompute_candidates
 from ortpass.export import export
-from ortpass.export.pythonop import qualified_name
+from ortpass.pythonop.export import qualified_name
 from ortpass.passes import FixDropoutSeedPass, RecomputePass
 from ortpass.passes import recompute_pythonop
-from ortpass.runtime import TrainingSession, bridge
+from ortpass.pythonop import bridge
+from ortpass.runtime import TrainingSession
 from ortpass.testing.flash_attention import FlashAttentionFunction
 from ortpass.training import build_training_graph
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ortpass.errors import OrtpassError
-from ortpass.export.shape_inference import get_shape_inferer, register_shape_inferer, unregister_shape_inferer
+from ortpass.pythonop.shape_inference import get_shape_inferer, register_shape_inferer, unregister_shape_inferer
 from ortpass.passes.pythonop_shape_inference import PythonOpShapeInferencePass
 
 PASS_THROUGH = "tests_models.PassThrough"
@@ -176,7 +176,7 @@ class _Gated(torch.nn.Module):
 
 
 def test_exported_model_keeps_batch_and_seq_through_a_registered_function():
-    from ortpass.export.pythonop import name_context_outputs
+    from ortpass.pythonop.export import name_context_outputs
     from ortpass.export.torchscript import export
 
     model = export(_Gated(), (torch.randn(2, 3, 8),), input_names=["x"], dynamic_axes={"x": {0: "batch", 1: "seq"}})

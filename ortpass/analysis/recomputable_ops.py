@@ -341,7 +341,7 @@ def _register_defaults() -> None:
         ("LayerNormalization", (1, 17), advanced, ()),
         # Advanced, as in ORT and like LayerNormalization: a reduction over the hidden dim
         # per token, costlier to redo than element-wise ops.  ORT's fusions make it of
-        # every RMSNorm (LLaMA, T5); its InvStdDev gets a size from ortpass.ort_schemas.
+        # every RMSNorm (LLaMA, T5); its InvStdDev gets a size from ortpass.graph.schemas.
         ("SimplifiedLayerNormalization", (1,), advanced, ()),
     ]
     for op_type, versions, level, ignored in onnx_ops:

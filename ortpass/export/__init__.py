@@ -13,9 +13,9 @@ __all__ = ["export", "register_exporter", "register_function", "register_shape_i
 
 _LAZY = {
     "export": "ortpass.export.torchscript",
-    "register_exporter": "ortpass.export.pythonop",
-    "register_shape_inferer": "ortpass.export.shape_inference",
-    "register_function": "ortpass.runtime.bridge",
+    "register_exporter": "ortpass.pythonop.export",
+    "register_shape_inferer": "ortpass.pythonop.shape_inference",
+    "register_function": "ortpass.pythonop.bridge",
     "register_symbolic": "ortpass.export.symbolics",
 }
 

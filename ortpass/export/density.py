@@ -9,7 +9,7 @@ saw the modules) -- measures the density of the labels it actually receives::
 
 with that call's own ``ignore_index``.  Below the threshold, the label is routed through
 :class:`FlagAndPrintDensity`, an identity ``torch.autograd.Function`` that the PythonOp
-exporter (:func:`ortpass.export.pythonop.pythonop_export_context`) writes as a
+exporter (:func:`ortpass.pythonop.export.pythonop_export_context`) writes as a
 ``com.microsoft::PythonOp`` just before the loss.  That flag is what
 ``InsertGatherBeforeSceLossPass`` looks for; it records the ignore_index and the measured
 density as typed attributes (``input_int_scalars``, ``input_float_scalars``).
@@ -145,7 +145,7 @@ def density_probe(module: torch.nn.Module, threshold: float = DEFAULT_THRESHOLD)
     Yields a :class:`DensityProbe` whose ``records`` fill in as ``module`` runs.  Names of
     ``nn.CrossEntropyLoss`` submodules of ``module`` label the records; functional calls
     anywhere are probed too.  Everything patched is restored on exit.  Flags become
-    PythonOps only under :func:`ortpass.export.pythonop.pythonop_export_context`
+    PythonOps only under :func:`ortpass.pythonop.export.pythonop_export_context`
     (``ortpass.export.export`` enters both).
 
     The wrapped builtin is process-wide: probes do not nest, and another thread calling

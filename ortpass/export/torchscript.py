@@ -24,7 +24,7 @@ import onnx_ir as ir
 import torch
 
 from ortpass.errors import ExportError
-from ortpass.export.pythonop import name_context_outputs
+from ortpass.pythonop.export import name_context_outputs
 from ortpass.infra.metadata import EXPORT_KEY
 from ortpass.training.build import MAX_ORT_OPSET
 
@@ -115,7 +115,7 @@ def _run_torchscript_export(
     """
     # Imported here: both hook into torch while the exporter runs and are undone after.
     from ortpass.export.density import density_probe
-    from ortpass.export.pythonop import pythonop_export_context
+    from ortpass.pythonop.export import pythonop_export_context
     from ortpass.export.symbolics import symbolics_context
 
     was_training = module.training

@@ -7,7 +7,7 @@ checks nothing.  What a check accepted is handed to the next check
 (:mod:`ortpass.infra.checkers`).
 
 Both modes know ONNX Runtime's own ops in the ONNX domain (``SimplifiedLayerNormalization``
-and others, :mod:`ortpass.ort_schemas`), which ORT's fusions and gradient builder emit.
+and others, :mod:`ortpass.graph.schemas`), which ORT's fusions and gradient builder emit.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import onnx
 import onnx_ir as ir
 
-from ortpass.ort_schemas import register_ort_schemas
+from ortpass.graph.schemas import register_ort_schemas
 
 __all__ = ["CHECK_MODES", "CheckedState", "full_check", "incremental_check", "input_check"]
 

@@ -28,7 +28,7 @@ import onnx
 import onnx_ir as ir
 
 from ortpass.conventions import DENSITY_FLAG
-from ortpass.export.shape_inference import register_shape_inferer
+from ortpass.pythonop.shape_inference import register_shape_inferer
 from ortpass.infra.base import CREATED_BY_KEY, OrtPass
 from ortpass.infra.registry import register_pass
 

@@ -9,7 +9,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
 from ortpass.errors import OrtpassError
-from ortpass.export.shape_inference import get_shape_inferer
+from ortpass.pythonop.shape_inference import get_shape_inferer
 from ortpass.infra.base import OrtPass
 from ortpass.infra.registry import register_pass
 

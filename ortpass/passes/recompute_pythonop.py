@@ -1,7 +1,7 @@
 """The PythonOp part of the recompute rewrite: replay the forward's randomness in the clone.
 
 A ``com.microsoft::PythonOp`` runs a ``torch.autograd.Function`` through the torch bridge
-(:mod:`ortpass.runtime.bridge`).  A FlashAttention-like Function draws its dropout mask from
+(:mod:`ortpass.pythonop.bridge`).  A FlashAttention-like Function draws its dropout mask from
 torch's global generator and keeps its inputs in its ``ctx`` for backward.  Recomputing it
 (ORT PR #20603, ``docs/design/ort-facts.md``) means:
 
@@ -83,21 +83,21 @@ def check_pythonops(nodes: Iterable[ir.Node]) -> None:
         if node.attributes.get("training_mode") is None or node.attributes["training_mode"].as_int() != 1:
             raise ir.passes.PreconditionError(f"PythonOp {node.name!r} is not in training mode; nothing to recompute")
     if pythonops:
-        from ortpass.runtime import bridge
+        from ortpass.pythonop import bridge
 
         known = bridge.registered_functions()
         for node in pythonops:
             if _func_name(node) not in known:
                 raise UnregisteredFunctionError(
                     f"PythonOp {node.name!r} calls {_func_name(node)!r}, which is not registered with the torch "
-                    "bridge; register it (ortpass.runtime.bridge.register_function) before recomputing it"
+                    "bridge; register it (ortpass.pythonop.bridge.register_function) before recomputing it"
                 )
 
 
 def rng_replay_functions(func_name: str) -> tuple[type, type]:
     """The (save, replay) Functions derived from the registered Function ``func_name``,
     created and registered with the bridge on first use."""
-    from ortpass.runtime import bridge
+    from ortpass.pythonop import bridge
 
     inner = bridge.registered_functions().get(func_name)
     if inner is None:
@@ -202,7 +202,7 @@ def clone_with_rng_replay(
     clone replaying them.  Returns (the forward node now in the graph, the clone)."""
     func_name = _func_name(node)
     save, replay = rng_replay_functions(func_name)
-    from ortpass.export.pythonop import qualified_name
+    from ortpass.pythonop.export import qualified_name
 
     forward = _saving_forward(node, qualified_name(save), cloner)
     old_outputs = list(node.outputs)

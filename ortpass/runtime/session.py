@@ -116,7 +116,7 @@ class TrainingSession:
         clamp_for_ort(proto)
         _expose_values(proto, self.extra_outputs)
         if any(n.op_type in ("PythonOp", "PythonOpGrad") for n in proto.graph.node):
-            from ortpass.runtime import bridge
+            from ortpass.pythonop import bridge
 
             bridge.prepare(model)
 
@@ -293,7 +293,7 @@ def _expose_values(proto: onnx.ModelProto, names: Sequence[str]) -> None:
 
 def _take_runner_error() -> BaseException | None:
     # Only models with PythonOps load the bridge; don't import torch for the others.
-    bridge = sys.modules.get("ortpass.runtime.bridge")
+    bridge = sys.modules.get("ortpass.pythonop.bridge")
     return bridge.last_runner_error(clear=True) if bridge is not None else None
 
 

@@ -30,7 +30,7 @@ import onnx_ir as ir
 from ortpass.analysis.partition import SIDE_KEY, TrainingInfo, set_training_info, tag
 from ortpass.errors import TrainingGraphError
 from ortpass.infra.metadata import get_export_info
-from ortpass.ort_schemas import register_ort_schemas
+from ortpass.graph.schemas import register_ort_schemas
 from ortpass.infra.validate import check_for_gradient_build
 
 __all__ = ["build_training_graph", "check_forward_model", "clamp_for_ort", "MAX_ORT_OPSET", "MAX_ORT_IR_VERSION"]
@@ -86,7 +86,7 @@ def build_training_graph(
     params = _resolve_params(proto, params if params is not None else export_info.get("params"))
     check_forward_model(proto, loss)
     if any(node.op_type == "PythonOp" for node in proto.graph.node):
-        from ortpass.runtime import bridge  # only models with PythonOps need torch here
+        from ortpass.pythonop import bridge  # only models with PythonOps need torch here
 
         # Before ORT sees the graph: ORT's symbolic shape inference and gradient builder
         # call back into the registered Functions, and a bad PythonOp gets named here.
@@ -527,7 +527,7 @@ def _give_ort_the_pythonop_inferers(proto: onnx.ModelProto) -> None:
     """
     from onnxruntime.capi import _pybind_state as C
 
-    from ortpass.export.shape_inference import get_shape_inferer
+    from ortpass.pythonop.shape_inference import get_shape_inferer
 
     for node in proto.graph.node:
         if node.op_type == "PythonOp" and node.domain == "com.microsoft":
@@ -544,7 +544,7 @@ class _OrtShapeInferer:
         self.func_name = func_name
 
     def __call__(self, node: onnx.NodeProto, input_shapes, input_dtypes):
-        from ortpass.export.shape_inference import get_shape_inferer
+        from ortpass.pythonop.shape_inference import get_shape_inferer
 
         ir_node = ir.Node(
             node.domain, node.op_type, [ir.Value(name=name) for name in node.input],

@@ -96,7 +96,7 @@ class _ForwardSession:
         proto = ir.to_proto(model)
         clamp_for_ort(proto)
         if any(n.op_type == "PythonOp" for n in proto.graph.node):
-            from ortpass.runtime import bridge
+            from ortpass.pythonop import bridge
 
             bridge.prepare(model)
         options = ort.SessionOptions()

@@ -83,7 +83,7 @@ def load_cached(cache_dir: Path, material: dict) -> tuple[ir.Model, dict] | None
 
 def _register_own_functions(model: ir.Model) -> None:
     """A loaded graph may call ortpass's own density Function; nothing else is registered."""
-    from ortpass.runtime import bridge
+    from ortpass.pythonop import bridge
 
     if any("FlagAndPrintDensity" in name for name in bridge.pythonop_func_names(model)):
         from ortpass.export.density import FlagAndPrintDensity

@@ -5,7 +5,7 @@ on this path only a ``torch.library.custom_op`` with ``register_fake`` and
 ``register_autograd`` stays one node.  :func:`export_with_custom_ops` runs
 ``torch.onnx.export(..., dynamo=True)`` with a ``custom_translation_table`` that turns each
 listed op into one PythonOp whose ``func_name`` is the op's name (``namespace::name``),
-with the same attributes the TorchScript path writes (``ortpass.export.pythonop``).
+with the same attributes the TorchScript path writes (``ortpass.pythonop.export``).
 
 onnxscript builds a node only from a known schema and keeps only declared attributes,
 so :func:`ensure_pythonop_schema` registers ORT's PythonOp attribute set as an
@@ -29,7 +29,7 @@ import onnx_ir as ir
 import torch
 
 from ortpass.errors import ExportError
-from ortpass.export.pythonop import (
+from ortpass.pythonop.export import (
     PYTHONOP_DOMAIN,
     constant_attributes,
     name_context_outputs,

@@ -113,11 +113,11 @@ def unregister_function(function: Any) -> None:
 
 
 def _key(function: Any) -> str:
-    from ortpass.export.pythonop import qualified_name
+    from ortpass.pythonop.export import qualified_name
 
     if isinstance(function, str) or isinstance(function, type):
         return qualified_name(function)
-    from ortpass.export.custom_op import custom_op_name
+    from ortpass.pythonop.custom_op import custom_op_name
 
     return custom_op_name(function)
 
@@ -127,7 +127,7 @@ def registered_functions() -> dict[str, Any]:
     ortpass's own (:data:`ortpass.conventions.BUILTIN_FUNCTIONS`: the density flag, which a
     model keeps when the gather pass did not run, and the fused attention), in whatever
     process runs the model."""
-    from ortpass.export.pythonop import exported_functions
+    from ortpass.pythonop.export import exported_functions
 
     return {**_builtin_functions(), **exported_functions(), **_functions}
 
@@ -182,7 +182,7 @@ def prepare(model: ir.Model) -> None:
         if func_name not in known:
             raise UnregisteredFunctionError(
                 f"node {node_name!r} calls the autograd Function {func_name!r}, which is not registered "
-                "in this process: call ortpass.runtime.bridge.register_function(<the Function class>) "
+                "in this process: call ortpass.pythonop.bridge.register_function(<the Function class>) "
                 "(or ortpass.export.register_function) before building or running the model"
             )
     from onnxruntime.capi import _pybind_state as C
