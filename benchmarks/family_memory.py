@@ -10,7 +10,7 @@ attention dropout included). Per-family departures are listed in :data:`FAMILIES
 comments and recorded in the JSON. Called as the suite calls them: ``input_ids`` and
 ``labels`` only, no ``attention_mask``, exported with dynamic batch and sequence.
 
-Two pipelines on the same export: ``ortpass.cli.DEFAULT_PIPELINE`` and the same without
+Two pipelines on the same export: ``ortpass.passes.DEFAULT_PIPELINE`` and the same without
 ``,recompute(level=1)`` (the suite's ``NO_RECOMPUTE``).  Memory is measured as
 ``recompute_memory.py`` measures it, with its helpers: a fresh process per configuration
 started from a parent that imports only the standard library, glibc
@@ -111,7 +111,7 @@ CONFIGS = [
 
 def pipelines() -> dict[str, str]:
     """The two pipeline strings, each key's, from the CLI's default (imports ortpass)."""
-    from ortpass.cli import DEFAULT_PIPELINE
+    from ortpass.passes import DEFAULT_PIPELINE
 
     default = DEFAULT_PIPELINE
     if MIN_ELEMENTS is not None:  # the tiny run: nothing would pass the default floor

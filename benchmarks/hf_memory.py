@@ -89,7 +89,7 @@ def child_prepare(work: Path, family: str, seq: int) -> dict:
     import torch
 
     import ortpass
-    from ortpass.cli import DEFAULT_PIPELINE
+    from ortpass.passes import DEFAULT_PIPELINE
     from ortpass.export import export
     from ortpass.training import build_training_graph
 

@@ -122,7 +122,7 @@ def _arena_off() -> None:
 def child(key: str, steps: int) -> dict:
     import torch
 
-    from ortpass.cli import DEFAULT_PIPELINE
+    from ortpass.passes import DEFAULT_PIPELINE
 
     model = _model(lora=key.startswith("lora"))
     ids, labels = _batch()

@@ -31,6 +31,7 @@ import onnx_ir as ir
 
 from ortpass import io
 from ortpass.analysis.partition import get_training_info, is_training_graph
+from ortpass.conventions import op_label
 from ortpass.errors import (
     ModelLoadError,
     OrtpassError,
@@ -45,21 +46,11 @@ from ortpass.infra.metadata import get_export_info
 from ortpass.infra.pipeline_text import parse_pipeline, pipeline
 from ortpass.infra.registry import available_passes, get_pass
 from ortpass.infra.validate import check_model
+from ortpass.passes import DEFAULT_PIPELINE
 
-__all__ = ["DEFAULT_PIPELINE", "main"]
+__all__ = ["main"]
 
 logger = logging.getLogger(__name__)
-
-#: What ``ortpass optimize`` runs without ``--pipeline``: every built-in pass (the manager
-#: orders them from their declarations), recompute at ORTModule's layer-wise level 1 with
-#: the masks forward would still keep replayed and backward joins ordered for memory
-#: (benchmarks/recompute_memory.py), and the label gather above the vocabulary projection
-#: (faster on CPU at every flagged density; benchmarks/sce_gather.py).
-DEFAULT_PIPELINE = (
-    "pythonop-shape-inference,insert-gather-before-sce-loss(move_above_projection=True),build-training-graph,"
-    "fix-dropout-seed(level=1),recompute(level=1),replay-dropout-mask,order-backward-joins"
-)
-
 
 class UsageError(Exception):
     """The command line asks for something the command refuses to do (exit code 2)."""
@@ -485,7 +476,7 @@ def _refuse_missing_dims(candidates: Any) -> None:
 
 def _model_summary(model: ir.Model) -> dict[str, Any]:
     ops = collections.Counter(
-        n.op_type if n.domain in ("", "ai.onnx") else f"{n.domain}::{n.op_type}" for n in model.graph.all_nodes()
+        op_label(n.domain, n.op_type) for n in model.graph.all_nodes()
     )
     summary: dict[str, Any] = {
         "ir_version": model.ir_version,

@@ -31,6 +31,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import onnx_ir as ir
 
+from ortpass.conventions import op_label
 from ortpass.errors import GoldenCaseError, elide
 
 __all__ = ["GoldenCase", "GoldenResult", "check", "compare", "discover", "load_case", "run_case", "update"]
@@ -237,7 +238,7 @@ def _plan_table(model: ir.Model) -> list[dict[str, Any]]:
 def _histogram(model: ir.Model) -> dict[str, int]:
     counts: dict[str, int] = {}
     for node in model.graph:
-        label = node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}::{node.op_type}"
+        label = op_label(node.domain, node.op_type)
         counts[label] = counts.get(label, 0) + 1
     return dict(sorted(counts.items()))
 

@@ -35,17 +35,24 @@ import pytest
 
 import ortpass
 from ortpass import io
+from ortpass.conventions import EXPORT_KEY
 from ortpass.errors import (
     ModelLoadError,
+    OrtpassError,
     PassOrderingError,
     PipelineSpecError,
     PlanError,
     TrainingGraphError,
     UnregisteredFunctionError,
-    OrtpassError,
 )
-from ortpass.infra.metadata import EXPORT_KEY
-from ortpass.testing.graphs import GraphRecipe, LossRecipe, Step, build_model, make_batch, params_of
+from ortpass.testing.graphs import (
+    GraphRecipe,
+    LossRecipe,
+    Step,
+    build_model,
+    make_batch,
+    params_of,
+)
 
 FLOAT, INT64 = onnx.TensorProto.FLOAT, onnx.TensorProto.INT64
 #: The longest error message any entry point may give (long values are elided).

@@ -12,8 +12,8 @@ from pathlib import Path
 import onnx
 import onnx_ir as ir
 import pytest
-
 from conftest import make_relu_model
+
 from ortpass.cli import main
 from ortpass.infra.base import OrtPass
 

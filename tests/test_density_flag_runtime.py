@@ -15,7 +15,6 @@ import sys
 import textwrap
 from pathlib import Path
 
-
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "golden_models" / "bert_mlm.onnx"
 

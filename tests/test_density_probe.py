@@ -15,12 +15,21 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.functional import cross_entropy as imported_cross_entropy
 
+from ortpass.conventions import PRINT_DENSITY_ENV
 from ortpass.errors import ExportError
 from ortpass.export import export
-from ortpass.export.density import FUNCTIONAL_SITE, FlagAndPrintDensity, density_probe, label_density
-from ortpass.pythonop.export import pythonop_export_context
-from ortpass.passes.insert_gather_before_sce_loss import FLAG_FUNC_NAME, PRINT_DENSITY_ENV, InsertGatherBeforeSceLossPass
+from ortpass.export.density import (
+    FUNCTIONAL_SITE,
+    FlagAndPrintDensity,
+    density_probe,
+    label_density,
+)
+from ortpass.passes.insert_gather_before_sce_loss import (
+    FLAG_FUNC_NAME,
+    InsertGatherBeforeSceLossPass,
+)
 from ortpass.pythonop import bridge
+from ortpass.pythonop.export import pythonop_export_context
 from ortpass.runtime import TrainingSession
 from ortpass.runtime.parity import check_parity
 from ortpass.testing.models import MLP, BertMLM

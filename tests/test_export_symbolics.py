@@ -14,7 +14,11 @@ import torch
 import ortpass
 from ortpass.errors import ExportError
 from ortpass.export import export
-from ortpass.export.symbolics import register_symbolic, registered_symbolics, unregister_symbolic
+from ortpass.export.symbolics import (
+    register_symbolic,
+    registered_symbolics,
+    unregister_symbolic,
+)
 from ortpass.runtime import TrainingSession
 from ortpass.runtime.parity import check_parity
 from ortpass.training import build_training_graph

@@ -14,10 +14,19 @@ import torch.nn.functional as F
 
 import ortpass
 import ortpass.training
-from ortpass.cli import DEFAULT_PIPELINE
-from ortpass.conventions import BUILTIN_FUNCTIONS, DENSITY_FLAG, FUSED_ATTENTION, FUSED_MASKED_ATTENTION
+from ortpass.conventions import (
+    BUILTIN_FUNCTIONS,
+    DENSITY_FLAG,
+    FUSED_ATTENTION,
+    FUSED_MASKED_ATTENTION,
+)
 from ortpass.export import export
-from ortpass.export.fused_attention import FusedAttention, FusedMaskedAttention, fused_attention_export
+from ortpass.export.fused_attention import (
+    FusedAttention,
+    FusedMaskedAttention,
+    fused_attention_export,
+)
+from ortpass.passes import DEFAULT_PIPELINE
 from ortpass.pythonop.export import qualified_name
 from ortpass.runtime import TrainingSession
 
@@ -215,7 +224,7 @@ def test_a_fresh_process_runs_fused_attention_without_registering_anything(tmp_p
     np.savez(tmp_path / "batch.npz", **{k: v.numpy() for k, v in batch.items()})
     script = f"""
 import numpy as np, ortpass, ortpass.io
-from ortpass.cli import DEFAULT_PIPELINE
+from ortpass.passes import DEFAULT_PIPELINE
 from ortpass.runtime import TrainingSession
 result = ortpass.pipeline(DEFAULT_PIPELINE)(ortpass.io.load({str(path)!r}))
 clones = sum(n.op_type == "PythonOp" for n in result.model.graph)

@@ -5,20 +5,20 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import onnx.helper as oh
 import onnx_ir as ir
+import onnxruntime as ort
 import pytest
 from onnx import TensorProto
 
-from ortpass.infra.base import CREATED_BY_KEY
-from ortpass.runtime import TrainingSession
-from ortpass.training import build_training_graph
+from ortpass.conventions import CREATED_BY_KEY
 from ortpass.passes.insert_gather_before_sce_loss import (
     FLAG_FUNC_NAME,
     PRINT_DENSITY_ENV,
     InsertGatherBeforeSceLossPass,
 )
+from ortpass.runtime import TrainingSession
+from ortpass.training import build_training_graph
 
 IGNORE = -100
 

@@ -6,7 +6,11 @@ import onnx_ir as ir
 import pytest
 import torch
 
-from ortpass.analysis import find_layer_boundaries, find_recompute_candidates, get_partition
+from ortpass.analysis import (
+    find_layer_boundaries,
+    find_recompute_candidates,
+    get_partition,
+)
 from ortpass.export import export
 from ortpass.testing.models import GPTDecoder
 from ortpass.training import build_training_graph

@@ -17,10 +17,11 @@ import pytest
 from onnx_ir.passes.common import IdentityEliminationPass
 
 from ortpass import PassManager, PassReport
+from ortpass.conventions import CREATED_BY_KEY
 from ortpass.errors import ModelLoadError, PassFailedError, PassOrderingError
 from ortpass.infra import checks
 from ortpass.infra import manager as manager_module
-from ortpass.infra.base import CREATED_BY_KEY, OrtFunctionalPass, OrtPass
+from ortpass.infra.base import OrtFunctionalPass, OrtPass
 from ortpass.infra.checks import CheckedState
 from ortpass.infra.instruments import ProgressInstrument
 from ortpass.infra.ordering import order_passes

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import ortpass
-from ortpass.infra import checks
 from ortpass.export import export
+from ortpass.infra import checks
 from ortpass.runtime import TrainingSession
 from ortpass.runtime.parity import check_parity
 from ortpass.training import build_training_graph

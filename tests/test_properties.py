@@ -36,7 +36,16 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import ortpass
-from ortpass.testing.graphs import RATIO_PREFIX, STEP_KINDS, GraphRecipe, LossRecipe, Step, build_model, make_batch, params_of
+from ortpass.testing.graphs import (
+    RATIO_PREFIX,
+    STEP_KINDS,
+    GraphRecipe,
+    LossRecipe,
+    Step,
+    build_model,
+    make_batch,
+    params_of,
+)
 
 # Fixed for CI: the same examples on every run (derandomize), no example database, no
 # per-example deadline (the first example pays for importing ONNX Runtime).

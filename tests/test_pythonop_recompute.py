@@ -17,10 +17,9 @@ from torch import nn
 import ortpass
 from ortpass.analysis import find_recompute_candidates
 from ortpass.export import export
-from ortpass.pythonop.export import qualified_name
-from ortpass.passes import FixDropoutSeedPass, RecomputePass
-from ortpass.passes import recompute_pythonop
+from ortpass.passes import FixDropoutSeedPass, RecomputePass, recompute_pythonop
 from ortpass.pythonop import bridge
+from ortpass.pythonop.export import qualified_name
 from ortpass.runtime import TrainingSession
 from ortpass.testing.flash_attention import FlashAttentionFunction
 from ortpass.training import build_training_graph
@@ -229,8 +228,7 @@ def flash_decoder() -> ir.Model:
 
 
 def test_layers_are_found_through_a_registered_attention_function(flash_decoder, monkeypatch):
-    from ortpass.analysis import find_layer_boundaries, get_partition
-    from ortpass.analysis import recomputable_ops
+    from ortpass.analysis import find_layer_boundaries, get_partition, recomputable_ops
 
     forward = get_partition(flash_decoder).forward
     assert not any(n.op_type == "Softmax" for n in forward)  # attention is only in the PythonOps

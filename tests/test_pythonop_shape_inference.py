@@ -10,8 +10,12 @@ import pytest
 import torch
 
 from ortpass.errors import OrtpassError
-from ortpass.pythonop.shape_inference import get_shape_inferer, register_shape_inferer, unregister_shape_inferer
 from ortpass.passes.pythonop_shape_inference import PythonOpShapeInferencePass
+from ortpass.pythonop.shape_inference import (
+    get_shape_inferer,
+    register_shape_inferer,
+    unregister_shape_inferer,
+)
 
 PASS_THROUGH = "tests_models.PassThrough"
 
@@ -176,8 +180,8 @@ class _Gated(torch.nn.Module):
 
 
 def test_exported_model_keeps_batch_and_seq_through_a_registered_function():
-    from ortpass.pythonop.export import name_context_outputs
     from ortpass.export.torchscript import export
+    from ortpass.pythonop.export import name_context_outputs
 
     model = export(_Gated(), (torch.randn(2, 3, 8),), input_names=["x"], dynamic_axes={"x": {0: "batch", 1: "seq"}})
     name_context_outputs(model)

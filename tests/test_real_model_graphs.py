@@ -22,8 +22,8 @@ import torch
 
 import ortpass
 from ortpass.analysis import find_layer_boundaries, get_partition
-from ortpass.cli import DEFAULT_PIPELINE
 from ortpass.export import export
+from ortpass.passes import DEFAULT_PIPELINE
 from ortpass.runtime import TrainingSession
 
 transformers = pytest.importorskip("transformers")

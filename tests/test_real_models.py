@@ -6,7 +6,7 @@ sequence 32; no download) and called as a user calls it for training: ``input_id
 default (SDPA).  For each family:
 
 - export with dynamic batch and sequence (``ortpass.export.export``);
-- the default pipeline (``ortpass.cli.DEFAULT_PIPELINE``) from Python, and ``ortpass
+- the default pipeline (``ortpass.passes.DEFAULT_PIPELINE``) from Python, and ``ortpass
   optimize`` (in process) on the saved export, which must give the very same step;
 - one ORT step at dropout 0: loss and every gradient equal torch eager
   (``check_parity``'s tolerance), each gradient shaped like its parameter;
@@ -34,9 +34,10 @@ transformers = pytest.importorskip("transformers")
 import ortpass  # noqa: E402
 from ortpass.analysis.partition import get_training_info  # noqa: E402
 from ortpass.analysis.recompute import find_recompute_candidates  # noqa: E402
-from ortpass.infra.metadata import get_export_info  # noqa: E402
-from ortpass.cli import DEFAULT_PIPELINE, main  # noqa: E402
 from ortpass.export import export  # noqa: E402
+from ortpass.infra.metadata import get_export_info  # noqa: E402
+from ortpass.cli import main  # noqa: E402
+from ortpass.passes import DEFAULT_PIPELINE  # noqa: E402
 from ortpass.runtime import TrainingSession  # noqa: E402
 from ortpass.runtime.parity import check_parity  # noqa: E402
 

@@ -22,7 +22,11 @@ from ortpass.analysis import (
 )
 from ortpass.analysis.memory import evaluate
 from ortpass.analysis.partition import TrainingInfo, set_training_info, tag
-from ortpass.analysis.recomputable_ops import ProbeLevel, is_recomputable, unregister_recomputable_function
+from ortpass.analysis.recomputable_ops import (
+    ProbeLevel,
+    is_recomputable,
+    unregister_recomputable_function,
+)
 from ortpass.errors import TrainingGraphError
 
 F32, F16, I64, BOOL = onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.INT64, onnx.TensorProto.BOOL

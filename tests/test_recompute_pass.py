@@ -19,11 +19,11 @@ import torch
 
 import ortpass
 from ortpass.analysis import find_layer_boundaries, get_partition
-from ortpass.analysis.partition import SIDE_KEY, TrainingInfo, set_training_info, tag
+from ortpass.analysis.partition import TrainingInfo, set_training_info, tag
+from ortpass.conventions import RECOMPUTE_OF_KEY, SIDE_KEY
 from ortpass.errors import PassOrderingError, PipelineSpecError, PlanError
 from ortpass.export import export
 from ortpass.passes import FixDropoutSeedPass, RecomputePass
-from ortpass.passes.recompute import RECOMPUTE_OF_KEY
 from ortpass.runtime import TrainingSession
 from ortpass.runtime.session import DISABLED_ORT_OPTIMIZERS
 from ortpass.testing.models import GPTDecoder

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 import ortpass
-from ortpass.analysis.partition import SIDE_KEY, TrainingInfo, tag
+from ortpass.analysis.partition import TrainingInfo, tag
+from ortpass.conventions import REPLAY_OF_KEY, SIDE_KEY
 from ortpass.errors import OrtpassError
 from ortpass.export import export
 from ortpass.passes import FixDropoutSeedPass, RecomputePass, ReplayDropoutMaskPass
 from ortpass.passes.fix_dropout_seed import dropout_seed
-from ortpass.passes.replay_dropout_mask import REPLAY_OF_KEY
 from ortpass.runtime import TrainingSession, dropout_mask_names, with_dropout_masks
 from ortpass.runtime.parity import check_parity
 from ortpass.testing.graphs import as_training_graph
@@ -259,7 +259,10 @@ def test_after_recompute_level_1_only_the_masks_forward_keeps_are_replayed(decod
 
 def test_sessions_over_replayed_graphs_disable_the_cuda_dropout_fusions():
     # On CUDA, BiasDropoutFusion would make the forward Dropout another kernel than the replay.
-    from ortpass.runtime.session import REPLAY_DISABLED_ORT_OPTIMIZERS, disabled_optimizers
+    from ortpass.runtime.session import (
+        REPLAY_DISABLED_ORT_OPTIMIZERS,
+        disabled_optimizers,
+    )
 
     model = dropout_training_graph()
     assert not set(REPLAY_DISABLED_ORT_OPTIMIZERS) & set(disabled_optimizers(model))

@@ -10,7 +10,8 @@ import onnx_ir as ir
 import pytest
 import torch
 
-from ortpass.analysis.partition import SIDE_KEY, get_partition, get_training_info
+from ortpass.analysis.partition import get_partition, get_training_info
+from ortpass.conventions import SIDE_KEY
 from ortpass.errors import ExportError, OrtpassError, TrainingGraphError
 from ortpass.export import export
 from ortpass.runtime import TrainingSession, dropout_mask_names

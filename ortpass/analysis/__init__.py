@@ -1,8 +1,26 @@
 """Read-only analyses of ONNX training graphs.  None of them changes the model."""
 
 from ortpass.analysis.layers import LayerBoundaries, find_layer_boundaries
-from ortpass.analysis.partition import Partition, TrainingInfo, get_partition, get_training_info
-from ortpass.analysis.plans import PlanSpec, PlanType, format_plans, load_plan_file, parse_plan, parse_plans
+from ortpass.analysis.partition import (
+    Partition,
+    TrainingInfo,
+    get_partition,
+    get_training_info,
+)
+from ortpass.analysis.plans import (
+    PlanSpec,
+    PlanType,
+    format_plans,
+    load_plan_file,
+    parse_plan,
+    parse_plans,
+)
+from ortpass.analysis.recomputable_ops import (
+    ProbeLevel,
+    is_recomputable,
+    register_recomputable_function,
+    register_recomputable_op,
+)
 from ortpass.analysis.recompute import (
     Occurrence,
     PlanRecord,
@@ -10,12 +28,6 @@ from ortpass.analysis.recompute import (
     SkippedCandidate,
     StashedActivation,
     find_recompute_candidates,
-)
-from ortpass.analysis.recomputable_ops import (
-    ProbeLevel,
-    is_recomputable,
-    register_recomputable_function,
-    register_recomputable_op,
 )
 
 __all__ = [

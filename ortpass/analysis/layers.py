@@ -51,7 +51,10 @@ from typing import Sequence
 
 import onnx_ir as ir
 
-from ortpass.analysis.recomputable_ops import attention_functions, recomputable_function_of
+from ortpass.analysis.recomputable_ops import (
+    attention_functions,
+    recomputable_function_of,
+)
 
 __all__ = ["LAYER_NORM_OPS", "LayerBoundaries", "find_layer_boundaries"]
 

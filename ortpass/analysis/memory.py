@@ -24,6 +24,8 @@ import onnx_ir as ir
 import sympy
 from sympy.parsing.sympy_parser import parse_expr
 
+from ortpass.conventions import MS_DOMAIN, is_onnx_domain
+
 __all__ = [
     "ALIAS_OPS",
     "BufferMap",
@@ -44,7 +46,7 @@ logger = logging.getLogger(__name__)
 
 # (domain, op type): ops whose output 0 is a view of input 0 on ORT.
 ALIAS_OPS: frozenset[tuple[str, str]] = frozenset(
-    {("", "Reshape"), ("", "Squeeze"), ("", "Unsqueeze"), ("", "Flatten"), ("", "Identity"), ("com.microsoft", "ExpandDims")}
+    {("", "Reshape"), ("", "Squeeze"), ("", "Unsqueeze"), ("", "Flatten"), ("", "Identity"), (MS_DOMAIN, "ExpandDims")}
 )
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -169,7 +171,7 @@ def graph_dim_params(values: Iterable[ir.Value]) -> set[str]:
 
 def is_alias_node(node: ir.Node) -> bool:
     """True when ``node``'s output 0 is a view of its input 0."""
-    domain = "" if node.domain in ("", "ai.onnx") else node.domain
+    domain = "" if is_onnx_domain(node.domain) else node.domain
     return (domain, node.op_type) in ALIAS_OPS and bool(node.inputs) and node.inputs[0] is not None
 
 

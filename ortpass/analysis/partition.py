@@ -16,11 +16,10 @@ from typing import Iterable, Literal
 
 import onnx_ir as ir
 
+from ortpass.conventions import SIDE_KEY, TRAINING_KEY
 from ortpass.errors import TrainingGraphError
 
 __all__ = [
-    "SIDE_KEY",
-    "TRAINING_KEY",
     "Partition",
     "TrainingInfo",
     "get_partition",
@@ -31,8 +30,6 @@ __all__ = [
     "tag",
 ]
 
-SIDE_KEY = "pkg.ortpass.side"
-TRAINING_KEY = "pkg.ortpass.training"
 
 Side = Literal["forward", "backward"]
 

@@ -42,12 +42,16 @@ from typing import Iterable, Mapping
 import onnx
 import onnx_ir as ir
 
-from ortpass.conventions import FUSED_ATTENTION, FUSED_MASKED_ATTENTION
+from ortpass.conventions import (
+    FUSED_ATTENTION,
+    FUSED_MASKED_ATTENTION,
+    MS_DOMAIN,
+    is_onnx_domain,
+)
 
 __all__ = [
     "ProbeLevel",
     "RecomputableOp",
-    "MS_DOMAIN",
     "lookup_recomputable",
     "is_recomputable",
     "recomputable_ops",
@@ -66,7 +70,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-MS_DOMAIN = "com.microsoft"
 
 
 class ProbeLevel:
@@ -103,7 +106,7 @@ _RECOMPUTABLE_FUNCTIONS: set[str] = {
 
 
 def _normalize_domain(domain: str) -> str:
-    return "" if domain in ("", "ai.onnx") else domain
+    return "" if is_onnx_domain(domain) else domain
 
 
 def register_recomputable_op(

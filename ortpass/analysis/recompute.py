@@ -68,6 +68,7 @@ from ortpass.analysis.recomputable_ops import (
     lookup_recomputable,
     recomputable_function_of,
 )
+from ortpass.conventions import is_onnx_domain
 from ortpass.infra.metadata import get_export_info
 
 __all__ = [
@@ -695,7 +696,7 @@ class _Analysis:
 
 
 def _widening_cast(node: ir.Node) -> bool:
-    if node.op_type != "Cast" or node.domain not in ("", "ai.onnx") or not node.inputs or node.inputs[0] is None:
+    if node.op_type != "Cast" or not is_onnx_domain(node.domain) or not node.inputs or node.inputs[0] is None:
         return False
     source, target = node.inputs[0].dtype, node.outputs[0].dtype
     if source is None or target is None or ir.DataType.STRING in (source, target):
@@ -704,7 +705,7 @@ def _widening_cast(node: ir.Node) -> bool:
 
 
 def _is_constant(node: ir.Node) -> bool:
-    return node.op_type == "Constant" and node.domain in ("", "ai.onnx")
+    return node.op_type == "Constant" and is_onnx_domain(node.domain)
 
 
 def _resolve_dims(model: ir.Model, dims: Mapping[str, int] | None, symbols: set[str]) -> tuple[dict | None, str]:

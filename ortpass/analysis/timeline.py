@@ -24,8 +24,8 @@ import numpy as np
 import onnx_ir as ir
 
 from ortpass.analysis import memory
-from ortpass.analysis.partition import SIDE_KEY
 from ortpass.analysis.plans import PlanSpec
+from ortpass.conventions import SIDE_KEY
 
 if TYPE_CHECKING:
     from ortpass.analysis.recompute import Occurrence, RecomputeReport

@@ -29,8 +29,8 @@ from typing import Callable, Iterator
 
 import torch
 
+from ortpass.conventions import PRINT_DENSITY_ENV
 from ortpass.errors import ExportError
-from ortpass.passes.insert_gather_before_sce_loss import PRINT_DENSITY_ENV
 
 __all__ = [
     "DEFAULT_THRESHOLD",

@@ -39,7 +39,6 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-
 __all__ = ["FusedAttention", "FusedMaskedAttention", "fused_attention_export"]
 
 logger = logging.getLogger(__name__)

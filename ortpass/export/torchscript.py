@@ -23,10 +23,9 @@ import onnx
 import onnx_ir as ir
 import torch
 
+from ortpass.conventions import EXPORT_KEY, MAX_ORT_OPSET
 from ortpass.errors import ExportError
 from ortpass.pythonop.export import name_context_outputs
-from ortpass.infra.metadata import EXPORT_KEY
-from ortpass.training.build import MAX_ORT_OPSET
 
 __all__ = ["export"]
 
@@ -115,8 +114,8 @@ def _run_torchscript_export(
     """
     # Imported here: both hook into torch while the exporter runs and are undone after.
     from ortpass.export.density import density_probe
-    from ortpass.pythonop.export import pythonop_export_context
     from ortpass.export.symbolics import symbolics_context
+    from ortpass.pythonop.export import pythonop_export_context
 
     was_training = module.training
     module.train(training)

@@ -36,13 +36,11 @@ import onnx_ir as ir
 
 from ortpass.infra.analysis_cache import AnalysisCache
 
-__all__ = ["OrtPass", "OrtFunctionalPass", "PassDeclarations", "Phase", "PHASES", "CREATED_BY_KEY"]
+__all__ = ["OrtPass", "OrtFunctionalPass", "PassDeclarations", "Phase", "PHASES",]
 
 Phase = Literal["pre-grad", "post-grad", "any"]
 PHASES: tuple[str, ...] = ("pre-grad", "post-grad", "any")
 
-# Node metadata key under which the pass that created a node is recorded.
-CREATED_BY_KEY = "pkg.ortpass.created_by"
 
 DECLARATIONS = ("requires_properties", "provides_properties", "runs_before", "runs_after")
 

@@ -7,12 +7,11 @@ from typing import Any
 
 import onnx_ir as ir
 
+from ortpass.conventions import EXPORT_KEY
 from ortpass.errors import ModelLoadError, elide
 
-__all__ = ["EXPORT_KEY", "get_export_info"]
+__all__ = [ "get_export_info"]
 
-# Written by ortpass.export.export: {"loss", "params", "dims", "opset", "label_density"}.
-EXPORT_KEY = "pkg.ortpass.export"
 
 
 def get_export_info(model: ir.Model) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from typing import Iterable, Sequence
 import onnx
 import onnx_ir as ir
 
+from ortpass.conventions import MS_DOMAIN
 from ortpass.errors import ModelLoadError, elide
 from ortpass.infra.metadata import get_export_info
 
@@ -39,7 +40,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-MS_DOMAIN = "com.microsoft"
 
 # ORT's PythonOp / PythonOpGrad attribute schema (onnxruntime's contrib_defs.cc): the
 # attributes ortpass and ORT read, by type.  Others are let through.

@@ -1,6 +1,7 @@
 """ortpass's built-in passes, one module per pass.  Importing this package registers them."""
 
-from ortpass.infra.base import CREATED_BY_KEY, OrtFunctionalPass, OrtPass
+from ortpass.conventions import CREATED_BY_KEY
+from ortpass.infra.base import OrtFunctionalPass, OrtPass
 from ortpass.passes.build_training_graph import BuildTrainingGraphPass
 from ortpass.passes.fix_dropout_seed import FixDropoutSeedPass
 from ortpass.passes.insert_gather_before_sce_loss import InsertGatherBeforeSceLossPass
@@ -9,4 +10,14 @@ from ortpass.passes.pythonop_shape_inference import PythonOpShapeInferencePass
 from ortpass.passes.recompute import RecomputePass
 from ortpass.passes.replay_dropout_mask import ReplayDropoutMaskPass
 
-__all__ = ["CREATED_BY_KEY", "BuildTrainingGraphPass", "FixDropoutSeedPass", "InsertGatherBeforeSceLossPass", "OrderBackwardJoinsPass", "OrtFunctionalPass", "OrtPass", "PythonOpShapeInferencePass", "RecomputePass", "ReplayDropoutMaskPass"]
+__all__ = ["CREATED_BY_KEY", "DEFAULT_PIPELINE", "BuildTrainingGraphPass", "FixDropoutSeedPass", "InsertGatherBeforeSceLossPass", "OrderBackwardJoinsPass", "OrtFunctionalPass", "OrtPass", "PythonOpShapeInferencePass", "RecomputePass", "ReplayDropoutMaskPass"]
+
+#: What ``ortpass optimize``, ``ortpass.ORTModule`` and the golden suite run without ``--pipeline``: every built-in pass (the manager
+#: orders them from their declarations), recompute at ORTModule's layer-wise level 1 with
+#: the masks forward would still keep replayed and backward joins ordered for memory
+#: (benchmarks/recompute_memory.py), and the label gather above the vocabulary projection
+#: (faster on CPU at every flagged density; benchmarks/sce_gather.py).
+DEFAULT_PIPELINE = (
+    "pythonop-shape-inference,insert-gather-before-sce-loss(move_above_projection=True),build-training-graph,"
+    "fix-dropout-seed(level=1),recompute(level=1),replay-dropout-mask,order-backward-joins"
+)

@@ -15,10 +15,15 @@ import onnx_ir as ir
 
 from ortpass.analysis.partition import get_partition, is_training_graph
 from ortpass.infra.base import OrtFunctionalPass
-from ortpass.infra.registry import register_pass
 from ortpass.infra.metadata import get_export_info
-from ortpass.training.build import _resolve_loss, _resolve_params, build_training_graph, check_forward_model
+from ortpass.infra.registry import register_pass
 from ortpass.infra.validate import check_for_gradient_build
+from ortpass.training.build import (
+    _resolve_loss,
+    _resolve_params,
+    build_training_graph,
+    check_forward_model,
+)
 
 __all__ = ["BuildTrainingGraphPass"]
 

@@ -19,10 +19,10 @@ import onnx_ir as ir
 
 from ortpass.analysis.plans import PlanSpec
 from ortpass.analysis.recomputable_ops import ProbeLevel
-from ortpass.infra.options import NonNegativeInt, ProbeLevelOption, RecomputeLevel
 from ortpass.infra.base import OrtPass
-from ortpass.passes.recompute import ANALYSIS, RecomputeSelection, is_dropout
+from ortpass.infra.options import NonNegativeInt, ProbeLevelOption, RecomputeLevel
 from ortpass.infra.registry import register_pass
+from ortpass.passes.recompute import ANALYSIS, RecomputeSelection, is_dropout
 
 __all__ = ["FixDropoutSeedPass", "dropout_seed"]
 

@@ -27,10 +27,16 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from ortpass.conventions import DENSITY_FLAG
-from ortpass.pythonop.shape_inference import register_shape_inferer
-from ortpass.infra.base import CREATED_BY_KEY, OrtPass
+from ortpass.conventions import (
+    CREATED_BY_KEY,
+    DENSITY_FLAG,
+    MS_DOMAIN,
+    PRINT_DENSITY_ENV,
+    is_onnx_domain,
+)
+from ortpass.infra.base import OrtPass
 from ortpass.infra.registry import register_pass
+from ortpass.pythonop.shape_inference import register_shape_inferer
 
 __all__ = [
     "FLAG_FUNC_NAME",
@@ -42,7 +48,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-MS_DOMAIN = "com.microsoft"
 
 #: func_name of the flag ``ortpass.export.density`` exports (module.QualName of the class).
 #: Spelled out here so that this pass does not import torch.
@@ -62,9 +67,6 @@ def _flag_shape(node: ir.Node, input_shapes, input_dtypes):
 for _name in sorted(FLAG_FUNC_NAMES):
     register_shape_inferer(_name)(_flag_shape)
 
-#: Environment switch (as ORT's ``ORTMODULE_PRINT_INPUT_DENSITY``): keep the flags so that
-#: they report the label density at every step when run through the torch bridge.
-PRINT_DENSITY_ENV = "ORTPASS_PRINT_INPUT_DENSITY"
 
 #: Name prefix of the symbolic dim that counts the valid labels of one loss.
 VALID_DIM_PREFIX = "valid_label_count_"
@@ -266,7 +268,9 @@ class InsertGatherBeforeSceLossPass(OrtPass):
 
     def _move_above_projection(self, model: ir.Model) -> int:
         # Imported here: onnxscript's rewriter is only needed when this option is on.
-        from ortpass.rewrite_rules.gather_before_projection import gather_before_projection_rules
+        from ortpass.rewrite_rules.gather_before_projection import (
+            gather_before_projection_rules,
+        )
 
         # The rewriter copies the replaced gather's metadata (our CREATED_BY_KEY) onto the
         # nodes it creates and adds the rule's name.
@@ -315,7 +319,7 @@ class InsertGatherBeforeSceLossPass(OrtPass):
 def _is_sce_loss(node: ir.Node, model: ir.Model) -> bool:
     if node.op_type == "SoftmaxCrossEntropyLossInternal":
         return node.domain == MS_DOMAIN
-    if node.op_type == "SoftmaxCrossEntropyLoss" and node.domain in ("", "ai.onnx"):
+    if node.op_type == "SoftmaxCrossEntropyLoss" and is_onnx_domain(node.domain):
         return model.opset_imports.get("", 0) >= _SCE_MIN_OPSET
     return False
 
@@ -330,7 +334,7 @@ def _is_flag(node: ir.Node) -> bool:
 def _flag_before(label: ir.Value | None) -> ir.Node | None:
     """The density flag producing ``label``, directly or through one Reshape."""
     producer = label.producer() if label is not None else None
-    if producer is not None and producer.op_type == "Reshape" and producer.domain in ("", "ai.onnx"):
+    if producer is not None and producer.op_type == "Reshape" and is_onnx_domain(producer.domain):
         data = producer.inputs[0]
         producer = data.producer() if data is not None else None
     if producer is not None and _is_flag(producer):

@@ -38,8 +38,8 @@ import onnx_ir as ir
 
 from ortpass.analysis.memory import is_alias_node, nbytes_at
 from ortpass.analysis.partition import is_backward
-from ortpass.infra.metadata import get_export_info
 from ortpass.infra.base import OrtPass
+from ortpass.infra.metadata import get_export_info
 from ortpass.infra.registry import register_pass
 
 __all__ = ["OrderBackwardJoinsPass"]

@@ -8,17 +8,16 @@ from typing import Sequence
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
+from ortpass.conventions import MS_DOMAIN, is_onnx_domain
 from ortpass.errors import OrtpassError
-from ortpass.pythonop.shape_inference import get_shape_inferer
 from ortpass.infra.base import OrtPass
 from ortpass.infra.registry import register_pass
+from ortpass.pythonop.shape_inference import get_shape_inferer
 
 __all__ = ["PythonOpShapeInferencePass"]
 
 logger = logging.getLogger(__name__)
 
-_MS_DOMAIN = "com.microsoft"
-_DEFAULT_DOMAINS = ("", "ai.onnx")
 
 _TypeAndShape = tuple["ir.TypeProtocol | None", "ir.Shape | None"]
 
@@ -50,7 +49,7 @@ class PythonOpShapeInferencePass(OrtPass):
     provides_properties = frozenset({"shapes"})
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        nodes = [n for n in model.graph.all_nodes() if n.domain == _MS_DOMAIN and n.op_type in ("PythonOp", "PythonOpGrad")]
+        nodes = [n for n in model.graph.all_nodes() if n.domain == MS_DOMAIN and n.op_type in ("PythonOp", "PythonOpGrad")]
         if not nodes:
             return ir.passes.PassResult(model, modified=False)
         before = _snapshot(model)
@@ -164,7 +163,7 @@ def _downstream_default_domain_values(sources: Sequence[ir.Value]) -> list[ir.Va
     while stack:
         value = stack.pop()
         for consumer in {use.node for use in value.uses()}:
-            if consumer.domain not in _DEFAULT_DOMAINS:
+            if not is_onnx_domain(consumer.domain):
                 continue
             for output in consumer.outputs:
                 if output not in seen:

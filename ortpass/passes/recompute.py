@@ -84,28 +84,28 @@ from typing import Iterable, Sequence
 
 import onnx_ir as ir
 
-from ortpass.infra.analysis_cache import AnalysisCache
-from ortpass.analysis.partition import SIDE_KEY, is_backward
+from ortpass.analysis.partition import is_backward
 from ortpass.analysis.plans import PlanSpec, PlanType, load_plan_file, parse_plans
-from ortpass.analysis.recomputable_ops import MS_DOMAIN, OptionalOutputs, ProbeLevel
+from ortpass.analysis.recomputable_ops import OptionalOutputs, ProbeLevel
 from ortpass.analysis.recompute import (
     DEFAULT_MIN_ELEMENTS,
     Occurrence,
     RecomputeReport,
     find_recompute_candidates,
 )
+from ortpass.conventions import CREATED_BY_KEY, MS_DOMAIN, RECOMPUTE_OF_KEY, SIDE_KEY
 from ortpass.errors import PlanError
+from ortpass.infra.analysis_cache import AnalysisCache
+from ortpass.infra.base import OrtPass
 from ortpass.infra.options import NonNegativeInt, ProbeLevelOption, RecomputeLevel
-from ortpass.passes import recompute_pythonop
-from ortpass.infra.base import CREATED_BY_KEY, OrtPass
 from ortpass.infra.registry import register_pass
+from ortpass.passes import recompute_pythonop
 
 __all__ = [
     "ANALYSIS",
     "AppliedPlan",
     "DROPOUT_OPS",
     "LEVELS",
-    "RECOMPUTE_OF_KEY",
     "RECOMPUTE_SUFFIX",
     "RecomputePass",
     "RecomputeSelection",
@@ -117,8 +117,6 @@ logger = logging.getLogger(__name__)
 #: The name of the recompute analysis in a pass manager's analysis cache.
 ANALYSIS = "recompute-candidates"
 RECOMPUTE_SUFFIX = "_recompute"
-#: Node metadata on a clone: the name of the node it recomputes.
-RECOMPUTE_OF_KEY = "pkg.ortpass.recompute_of"
 
 LEVELS = (0, 1, 2)
 

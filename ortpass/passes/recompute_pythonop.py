@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 
 import onnx_ir as ir
 
-from ortpass.analysis.recomputable_ops import MS_DOMAIN
+from ortpass.conventions import MS_DOMAIN
 from ortpass.errors import UnregisteredFunctionError
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -37,20 +37,18 @@ import logging
 import onnx_ir as ir
 
 from ortpass.analysis.partition import is_backward, tag
-from ortpass.analysis.recomputable_ops import MS_DOMAIN
+from ortpass.conventions import MS_DOMAIN, REPLAY_OF_KEY, is_onnx_domain
 from ortpass.infra.base import OrtPass
-from ortpass.passes.fix_dropout_seed import dropout_seed
 from ortpass.infra.registry import register_pass
+from ortpass.passes.fix_dropout_seed import dropout_seed
 
-__all__ = ["REPLAY_OF_KEY", "ReplayDropoutMaskPass"]
+__all__ = [ "ReplayDropoutMaskPass"]
 
 logger = logging.getLogger(__name__)
 
-# Node metadata key on a replaying Dropout: the name of the forward Dropout it replays.
-REPLAY_OF_KEY = "pkg.ortpass.replay_of"
 
 def _is_onnx_dropout(node: ir.Node | None) -> bool:
-    return node is not None and node.op_type == "Dropout" and node.domain in ("", "ai.onnx")
+    return node is not None and node.op_type == "Dropout" and is_onnx_domain(node.domain)
 
 
 def _input(node: ir.Node, index: int) -> ir.Value | None:

@@ -57,9 +57,12 @@ from typing import Any, Iterable
 import onnx_ir as ir
 import torch
 
-from ortpass.conventions import BUILTIN_FUNCTIONS
+from ortpass.conventions import BUILTIN_FUNCTIONS, MS_DOMAIN
 from ortpass.errors import UnregisteredFunctionError
-from ortpass.infra.validate import REQUIRED_PYTHONOP_ATTRIBUTES, refuse_pythonop_missing_attributes
+from ortpass.infra.validate import (
+    REQUIRED_PYTHONOP_ATTRIBUTES,
+    refuse_pythonop_missing_attributes,
+)
 
 __all__ = [
     "REQUIRED_PYTHONOP_ATTRIBUTES",
@@ -76,7 +79,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _PYTHONOP_TYPES = ("PythonOp", "PythonOpGrad")
-_MS_DOMAIN = "com.microsoft"
 
 _lock = threading.RLock()
 _functions: dict[str, type] = {}
@@ -148,7 +150,7 @@ def pythonop_func_names(model: ir.Model) -> dict[str, str]:
     """``func_name -> name of the first node calling it`` for every PythonOp(Grad) in ``model``."""
     found: dict[str, str] = {}
     for node in _all_nodes(model):
-        if node.domain != _MS_DOMAIN or node.op_type not in _PYTHONOP_TYPES:
+        if node.domain != MS_DOMAIN or node.op_type not in _PYTHONOP_TYPES:
             continue
         attr = node.attributes.get("func_name")
         func_name = attr.as_string() if attr is not None else ""

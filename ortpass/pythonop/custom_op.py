@@ -30,7 +30,7 @@ import torch
 
 from ortpass.errors import ExportError
 from ortpass.pythonop.export import (
-    PYTHONOP_DOMAIN,
+    MS_DOMAIN,
     constant_attributes,
     name_context_outputs,
     record_exported,
@@ -86,13 +86,13 @@ _TENSOR_TYPES = [
 
 def ensure_pythonop_schema() -> None:
     """Register com.microsoft::PythonOp (version 1) with onnx, unless a schema exists."""
-    if onnx.defs.has("PythonOp", PYTHONOP_DOMAIN):
+    if onnx.defs.has("PythonOp", MS_DOMAIN):
         return
     parameter = onnx.defs.OpSchema.FormalParameter
     variadic = onnx.defs.OpSchema.FormalParameterOption.Variadic
     schema = onnx.defs.OpSchema(
         "PythonOp",
-        PYTHONOP_DOMAIN,
+        MS_DOMAIN,
         1,
         doc="A torch.autograd.Function or torch custom op run by ONNX Runtime's torch bridge.",
         inputs=[parameter("inputs", "T", param_option=variadic, is_homogeneous=False, min_arity=0)],
@@ -138,7 +138,7 @@ def pythonop_translation(op: Any) -> Callable[..., Any]:
     if any(not isinstance(r.type, torch.TensorType) for r in schema.returns) or not schema.returns:
         raise ExportError(f"{func_name}: only custom ops returning one or more Tensors can be PythonOps ({schema})")
     output_count = len(schema.returns)
-    microsoft = onnxscript.values.Opset(PYTHONOP_DOMAIN, 1)
+    microsoft = onnxscript.values.Opset(MS_DOMAIN, 1)
 
     def translate(*args: Any) -> Any:
         # torch.export drops trailing arguments left at their default; put them back.
@@ -214,7 +214,7 @@ def complete_output_attributes(model: ir.Model) -> int:
     """Fill ``output_tensor_types``/``ranks`` of PythonOps from their typed outputs."""
     completed = 0
     for node in model.graph.all_nodes():
-        if node.op_type != "PythonOp" or node.domain != PYTHONOP_DOMAIN or "output_tensor_types" in node.attributes:
+        if node.op_type != "PythonOp" or node.domain != MS_DOMAIN or "output_tensor_types" in node.attributes:
             continue
         outputs = node.outputs[1:]
         if any(v.dtype is None or v.shape is None for v in outputs):

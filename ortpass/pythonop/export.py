@@ -39,11 +39,11 @@ import onnx
 import onnx_ir as ir
 import torch
 
+from ortpass.conventions import MS_DOMAIN
 from ortpass.errors import ExportError
 
 __all__ = [
     "CONTEXT_SUFFIX",
-    "PYTHONOP_DOMAIN",
     "FunctionCall",
     "constant_attributes",
     "record_exported",
@@ -59,7 +59,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-PYTHONOP_DOMAIN = "com.microsoft"
 CONTEXT_SUFFIX = "_ctx"
 
 # torch.onnx calls custom symbolics registered at opset 1 for every later opset too.
@@ -206,7 +205,7 @@ def _emit_pythonop(g, call: FunctionCall, training: bool):
     attributes = pythonop_attributes(call, training=training)
     tensor_inputs = [a for a in call.args if isinstance(a, torch._C.Value)]
     kwargs = {_torch_attribute_key(name, value): value for name, value in attributes.items()}
-    values = g.op(f"{PYTHONOP_DOMAIN}::PythonOp", *tensor_inputs, outputs=1 + len(call.outputs), **kwargs)
+    values = g.op(f"{MS_DOMAIN}::PythonOp", *tensor_inputs, outputs=1 + len(call.outputs), **kwargs)
     ctx, *outputs = values
     ctx.setType(torch._C.TensorType.create_from_tensor(torch.zeros((), dtype=torch.int64)))
     for value, traced in zip(outputs, call.outputs):
@@ -345,7 +344,7 @@ def name_context_outputs(model: ir.Model) -> int:
     taken.update(model.graph.initializers)
     renamed = 0
     for node in model.graph.all_nodes():
-        if node.op_type != "PythonOp" or node.domain != PYTHONOP_DOMAIN or len(node.outputs) < 2:
+        if node.op_type != "PythonOp" or node.domain != MS_DOMAIN or len(node.outputs) < 2:
             continue
         ctx, first = node.outputs[0], node.outputs[1]
         wanted = f"{first.name}{CONTEXT_SUFFIX}"

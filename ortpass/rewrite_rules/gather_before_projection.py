@@ -30,6 +30,8 @@ from onnxscript.rewriter import RewriteRuleSet
 from onnxscript.rewriter._basics import MatchResult
 from onnxscript.rewriter._rewrite_rule import RewriteRuleClassBase
 
+from ortpass.conventions import MS_DOMAIN
+
 __all__ = [
     "ShrunkenGatherBeforeGemm",
     "ShrunkenGatherBeforeGemmNoBias",
@@ -39,7 +41,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-MS_DOMAIN = "com.microsoft"
 
 
 def _gather_rows(op, data: ir.Value, indices: ir.Value) -> ir.Value:

@@ -35,9 +35,9 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from ortpass.analysis.partition import SIDE_KEY, get_training_info
+from ortpass.analysis.partition import get_training_info
+from ortpass.conventions import REPLAY_OF_KEY, SIDE_KEY, is_onnx_domain
 from ortpass.errors import OrtpassError
-from ortpass.passes.replay_dropout_mask import REPLAY_OF_KEY
 from ortpass.training.build import clamp_for_ort
 
 __all__ = [
@@ -263,7 +263,7 @@ def forward_dropouts(model: ir.Model) -> list[ir.Node]:
         node
         for node in model.graph
         if node.op_type == "Dropout"
-        and node.domain in ("", "ai.onnx")
+        and is_onnx_domain(node.domain)
         and node.metadata_props.get(SIDE_KEY, "forward") == "forward"
     ]
 

@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from ortpass.analysis.recomputable_ops import register_recomputable_function
-from ortpass.pythonop.export import qualified_name
 from ortpass.pythonop import bridge
+from ortpass.pythonop.export import qualified_name
 from ortpass.testing.models import CausalSelfAttention
 
 __all__ = ["FlashAttentionFunction", "FlashSelfAttention", "use_flash_attention"]

@@ -38,6 +38,7 @@ import onnx.helper as oh
 import onnx_ir as ir
 
 from ortpass.analysis.partition import TrainingInfo, set_training_info, tag
+from ortpass.conventions import MS_DOMAIN
 
 __all__ = [
     "as_training_graph",
@@ -62,7 +63,6 @@ STEP_KINDS = SAME_SHAPE_OPS + ("MatMul", "Add", "Mul", "Reshape", "Transpose")
 
 IGNORE_INDEX = -100
 RATIO_PREFIX = "ratio_"
-MS_DOMAIN = "com.microsoft"
 OPSET = 17
 IR_VERSION = 8  # what ORT 1.19.2 loads
 

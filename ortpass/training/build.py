@@ -27,19 +27,24 @@ import onnx
 import onnx.numpy_helper
 import onnx_ir as ir
 
-from ortpass.analysis.partition import SIDE_KEY, TrainingInfo, set_training_info, tag
+from ortpass.analysis.partition import TrainingInfo, set_training_info, tag
+from ortpass.conventions import (
+    MAX_ORT_IR_VERSION,
+    MAX_ORT_OPSET,
+    MS_DOMAIN,
+    SIDE_KEY,
+    is_onnx_domain,
+)
 from ortpass.errors import TrainingGraphError
-from ortpass.infra.metadata import get_export_info
 from ortpass.graph.schemas import register_ort_schemas
+from ortpass.infra.metadata import get_export_info
 from ortpass.infra.validate import check_for_gradient_build
 
-__all__ = ["build_training_graph", "check_forward_model", "clamp_for_ort", "MAX_ORT_OPSET", "MAX_ORT_IR_VERSION"]
+__all__ = ["build_training_graph", "check_forward_model", "clamp_for_ort"]
 
 logger = logging.getLogger(__name__)
 
 # What ORT 1.19.2 loads (measured; docs/design/ort-facts.md).
-MAX_ORT_OPSET = 21
-MAX_ORT_IR_VERSION = 10
 
 # onnx's shape inference then gives SimplifiedLayerNormalization's InvStdDev a shape.
 register_ort_schemas()
@@ -86,7 +91,9 @@ def build_training_graph(
     params = _resolve_params(proto, params if params is not None else export_info.get("params"))
     check_forward_model(proto, loss)
     if any(node.op_type == "PythonOp" for node in proto.graph.node):
-        from ortpass.pythonop import bridge  # only models with PythonOps need torch here
+        from ortpass.pythonop import (
+            bridge,  # only models with PythonOps need torch here
+        )
 
         # Before ORT sees the graph: ORT's symbolic shape inference and gradient builder
         # call back into the registered Functions, and a bad PythonOp gets named here.
@@ -129,7 +136,7 @@ def build_training_graph(
 def clamp_for_ort(proto: onnx.ModelProto) -> None:
     """Clamp the IR version to ORT 1.19.2's maximum; refuse ai.onnx opsets it cannot load."""
     for opset in proto.opset_import:
-        if opset.domain in ("", "ai.onnx") and opset.version > MAX_ORT_OPSET:
+        if is_onnx_domain(opset.domain) and opset.version > MAX_ORT_OPSET:
             raise TrainingGraphError(
                 f"ai.onnx opset {opset.version} is newer than ONNX Runtime 1.19.2 loads (at most "
                 f"{MAX_ORT_OPSET}); export with opset <= {MAX_ORT_OPSET}"
@@ -226,7 +233,7 @@ def _check_loss_is_scalar(graph: onnx.GraphProto, loss: str) -> None:
         )
 
 
-_LOSS_OPS = {("", "SoftmaxCrossEntropyLoss"), ("com.microsoft", "SoftmaxCrossEntropyLossInternal")}
+_LOSS_OPS = {("", "SoftmaxCrossEntropyLoss"), (MS_DOMAIN, "SoftmaxCrossEntropyLossInternal")}
 _LABEL_TYPES = {onnx.TensorProto.INT32, onnx.TensorProto.INT64}
 
 
@@ -291,7 +298,7 @@ def _add_outputs_the_gradient_builder_needs(proto: onnx.ModelProto) -> None:
     needed = {
         ("", "LayerNormalization"): 3,  # Y, Mean, InvStdDev
         ("", "SoftmaxCrossEntropyLoss"): 2,  # loss, log_prob
-        ("com.microsoft", "SoftmaxCrossEntropyLossInternal"): 2,
+        (MS_DOMAIN, "SoftmaxCrossEntropyLossInternal"): 2,
         ("", "Dropout"): 2,  # output, mask
     }
     for index, node in enumerate(proto.graph.node):
@@ -324,7 +331,7 @@ def _remove_inference_dropouts(proto: onnx.ModelProto) -> int:
     )
     nodes, removed = [], 0
     for node in proto.graph.node:
-        if node.op_type != "Dropout" or node.domain not in ("", "ai.onnx") or not _is_inference_mode(node, constants):
+        if node.op_type != "Dropout" or not is_onnx_domain(node.domain) or not _is_inference_mode(node, constants):
             nodes.append(node)
             continue
         stem = node.name or node.output[0]
@@ -409,7 +416,7 @@ def _name_unread_pythonop_grad_outputs(proto: onnx.ModelProto) -> None:
     "output_tensor_types" attribute should have the same length".
     """
     for node in proto.graph.node:
-        if node.op_type != "PythonOpGrad" or node.domain != "com.microsoft":
+        if node.op_type != "PythonOpGrad" or node.domain != MS_DOMAIN:
             continue
         types = next((list(a.ints) for a in node.attribute if a.name == "output_tensor_types"), [])
         while len(node.output) < len(types):
@@ -530,7 +537,7 @@ def _give_ort_the_pythonop_inferers(proto: onnx.ModelProto) -> None:
     from ortpass.pythonop.shape_inference import get_shape_inferer
 
     for node in proto.graph.node:
-        if node.op_type == "PythonOp" and node.domain == "com.microsoft":
+        if node.op_type == "PythonOp" and node.domain == MS_DOMAIN:
             func_name = next((a.s.decode() for a in node.attribute if a.name == "func_name"), "")
             if func_name and get_shape_inferer(func_name) is not None:
                 C.register_shape_inference_function(func_name, _OrtShapeInferer(func_name))
@@ -617,7 +624,7 @@ def _shape_concat_training_lengths(proto: onnx.ModelProto) -> None:
     ("the size of 'per_input_length_token_8' is unknown")."""
     known = {info.name for info in (*proto.graph.value_info, *proto.graph.output, *proto.graph.input)}
     for node in proto.graph.node:
-        if node.domain == "com.microsoft" and node.op_type == "ConcatTraining" and len(node.output) > 1:
+        if node.domain == MS_DOMAIN and node.op_type == "ConcatTraining" and len(node.output) > 1:
             lengths = node.output[1]
             if lengths and lengths not in known:
                 proto.graph.value_info.append(
@@ -689,11 +696,11 @@ def _reduce_broadcast_gradients(proto: onnx.ModelProto, forward_names: set[str])
     (``v_grad_<k>`` for one of several contributions, summed later).
     """
     shapes = _known_shapes(proto)
-    opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), MAX_ORT_OPSET)
+    opset = next((o.version for o in proto.opset_import if is_onnx_domain(o.domain)), MAX_ORT_OPSET)
     wanted: dict[str, tuple[onnx.NodeProto, dict[str, int]]] = {}  # grad-node prefix -> forward node, input by name
     for node in proto.graph.node:
         indices = _UNREDUCED_BROADCAST_GRADIENTS.get(node.op_type)
-        if indices and node.domain in ("", "ai.onnx") and node.name in forward_names:
+        if indices and is_onnx_domain(node.domain) and node.name in forward_names:
             inputs = {node.input[i]: i for i in indices if i < len(node.input) and node.input[i]}
             wanted[f"{node.name}_Grad/"] = (node, inputs)
     repaired = 0

@@ -227,7 +227,7 @@ class ORTModule(torch.nn.Module):
         if not isinstance(module, torch.nn.Module):
             raise OrtpassError(f"ORTModule wraps a torch.nn.Module, got {type(module).__name__}")
         if pipeline is None:
-            from ortpass.cli import DEFAULT_PIPELINE
+            from ortpass.passes import DEFAULT_PIPELINE
 
             pipeline = DEFAULT_PIPELINE
         self.module = module
