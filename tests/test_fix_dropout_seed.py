@@ -13,8 +13,8 @@ import pytest
 
 import ortpass
 from ortpass.analysis.partition import TrainingInfo
+from ortpass.ops.dropout import dropout_seed
 from ortpass.passes import FixDropoutSeedPass, RecomputePass
-from ortpass.passes.fix_dropout_seed import dropout_seed
 from ortpass.testing.graphs import as_training_graph
 
 F = onnx.TensorProto.FLOAT

@@ -81,7 +81,7 @@ CHANGES_RANDOM_STREAM = {"fix-dropout-seed"}
 
 def _seeded_as_replay_seeds(model: ir.Model) -> ir.Model:
     """``model`` with each unseeded Dropout given the seed replay-dropout-mask gives it."""
-    from ortpass.passes.fix_dropout_seed import dropout_seed
+    from ortpass.ops.dropout import dropout_seed
 
     copy = model.clone()
     for node in copy.graph:

@@ -17,8 +17,9 @@ from torch import nn
 import ortpass
 from ortpass.analysis import find_recompute_candidates
 from ortpass.export import export
-from ortpass.passes import FixDropoutSeedPass, RecomputePass, recompute_pythonop
+from ortpass.passes import FixDropoutSeedPass, RecomputePass
 from ortpass.pythonop import bridge
+from ortpass.pythonop import recompute as recompute_pythonop
 from ortpass.pythonop.export import qualified_name
 from ortpass.runtime import TrainingSession
 from ortpass.testing.flash_attention import FlashAttentionFunction

@@ -34,9 +34,9 @@ transformers = pytest.importorskip("transformers")
 import ortpass  # noqa: E402
 from ortpass.analysis.partition import get_training_info  # noqa: E402
 from ortpass.analysis.recompute import find_recompute_candidates  # noqa: E402
+from ortpass.cli import main  # noqa: E402
 from ortpass.export import export  # noqa: E402
 from ortpass.infra.metadata import get_export_info  # noqa: E402
-from ortpass.cli import main  # noqa: E402
 from ortpass.passes import DEFAULT_PIPELINE  # noqa: E402
 from ortpass.runtime import TrainingSession  # noqa: E402
 from ortpass.runtime.parity import check_parity  # noqa: E402

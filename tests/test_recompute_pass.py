@@ -492,7 +492,7 @@ def test_recompute_pass_is_registered_post_grad():
 
 
 def test_recompute_reuses_the_analysis_fix_dropout_seed_ran(decoder_graph, monkeypatch):
-    import ortpass.passes.recompute as recompute_module
+    import ortpass.analysis.recompute.selection as recompute_module
 
     calls = []
     real = recompute_module.find_recompute_candidates

@@ -15,8 +15,8 @@ from ortpass.analysis.partition import TrainingInfo, tag
 from ortpass.conventions import REPLAY_OF_KEY, SIDE_KEY
 from ortpass.errors import OrtpassError
 from ortpass.export import export
+from ortpass.ops.dropout import dropout_seed
 from ortpass.passes import FixDropoutSeedPass, RecomputePass, ReplayDropoutMaskPass
-from ortpass.passes.fix_dropout_seed import dropout_seed
 from ortpass.runtime import TrainingSession, dropout_mask_names, with_dropout_masks
 from ortpass.runtime.parity import check_parity
 from ortpass.testing.graphs import as_training_graph

@@ -12,36 +12,24 @@ from __future__ import annotations
 
 import logging
 import os
-import zlib
 from typing import Sequence
 
 import onnx_ir as ir
 
 from ortpass.analysis.plans import PlanSpec
 from ortpass.analysis.recomputable_ops import ProbeLevel
+from ortpass.analysis.recompute.selection import RecomputeSelection
+from ortpass.conventions import RECOMPUTE_CANDIDATES
 from ortpass.infra.base import OrtPass
 from ortpass.infra.options import NonNegativeInt, ProbeLevelOption, RecomputeLevel
 from ortpass.infra.registry import register_pass
-from ortpass.passes.recompute import ANALYSIS, RecomputeSelection, is_dropout
+from ortpass.ops.dropout import dropout_seed, is_dropout
 
 __all__ = ["FixDropoutSeedPass", "dropout_seed"]
 
 logger = logging.getLogger(__name__)
 
 # Dropout's seed is an int attribute; stay in the positive int32 range every kernel accepts.
-_SEED_RANGE = 2**31 - 1
-
-
-def dropout_seed(node: ir.Node, base_seed: int = 0) -> int:
-    """A seed for ``node`` derived from its first output's name, stable across processes.
-
-    Distinct dropouts get distinct seeds (their masks stay independent); the same graph
-    gets the same seeds every time, so two graphs built alike draw the same masks.
-    """
-    key = node.outputs[0].name or node.name or ""
-    return (zlib.crc32(key.encode("utf-8")) + base_seed) % _SEED_RANGE
-
-
 @register_pass("fix-dropout-seed")
 class FixDropoutSeedPass(OrtPass):
     """Seed each dropout that the recompute plans will clone and that has no seed.
@@ -61,7 +49,7 @@ class FixDropoutSeedPass(OrtPass):
     provides_properties = frozenset({"dropout-seeds-fixed"})
     runs_before = frozenset({"recompute"})
     # Seeds are attributes the recompute analysis does not read: RecomputePass reuses it.
-    preserves_analyses = frozenset({ANALYSIS})
+    preserves_analyses = frozenset({RECOMPUTE_CANDIDATES})
 
     def __init__(
         self,

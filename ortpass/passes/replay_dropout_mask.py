@@ -40,7 +40,7 @@ from ortpass.analysis.partition import is_backward, tag
 from ortpass.conventions import MS_DOMAIN, REPLAY_OF_KEY, is_onnx_domain
 from ortpass.infra.base import OrtPass
 from ortpass.infra.registry import register_pass
-from ortpass.passes.fix_dropout_seed import dropout_seed
+from ortpass.ops.dropout import dropout_seed
 
 __all__ = [ "ReplayDropoutMaskPass"]
 

@@ -18,8 +18,7 @@ torch's global generator and keeps its inputs in its ``ctx`` for backward.  Reco
   unused outputs).
 
 The bridge dispatches on ``func_name`` only, so the two behaviours are two derived
-Functions registered with it: ``<this module>.SaveRngState[<func_name>]`` and
-``<this module>.ReplayRngState[<func_name>]``.  The rewrite registers them; a process that
+Functions registered with it: ``SAVE_PREFIX[<func_name>]`` and ``REPLAY_PREFIX[<func_name>]``.  The rewrite registers them; a process that
 loads such a model from a file calls :func:`register_rng_replay_functions` first.
 
 Only Functions registered with
@@ -32,15 +31,12 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import Iterable, Protocol, Sequence
 
 import onnx_ir as ir
 
 from ortpass.conventions import MS_DOMAIN
 from ortpass.errors import UnregisteredFunctionError
-
-if TYPE_CHECKING:  # pragma: no cover
-    from ortpass.passes.recompute import _Cloner
 
 __all__ = [
     "RNG_STATE_SUFFIXES",
@@ -57,8 +53,23 @@ logger = logging.getLogger(__name__)
 
 #: Names of the two state outputs, appended to the PythonOp's first tensor output name.
 RNG_STATE_SUFFIXES = ("_rng_state_cpu", "_rng_state_device")
-SAVE_PREFIX = f"{__name__}.SaveRngState"
-REPLAY_PREFIX = f"{__name__}.ReplayRngState"
+# The derived Functions' func_names are written into models: they keep the name of the
+# module that first defined them, so models saved before it moved still load.
+_FUNC_NAME_MODULE = "ortpass.passes.recompute_pythonop"
+SAVE_PREFIX = f"{_FUNC_NAME_MODULE}.SaveRngState"
+REPLAY_PREFIX = f"{_FUNC_NAME_MODULE}.ReplayRngState"
+
+
+class Cloner(Protocol):
+    """What the recompute rewrite lends this module to make clones (the recompute pass's
+    cloner): fresh names, and a backward-tagged copy of a node."""
+
+    def unique(self, name: str) -> str: ...
+
+    def new_clone(
+        self, node: ir.Node, inputs: Sequence[ir.Value | None], *, num_outputs: int | None = None,
+        attributes: Iterable[ir.Attr] | None = None,
+    ) -> ir.Node: ...
 _DERIVED = re.compile(rf"^(?:{re.escape(SAVE_PREFIX)}|{re.escape(REPLAY_PREFIX)})\[(?P<inner>.+)\]$")
 
 _UINT8 = ir.DataType.UINT8.value
@@ -128,7 +139,7 @@ def register_rng_replay_functions(model: ir.Model) -> list[str]:
 
 def _derive(base: type, kind: str, func_name: str, inner: type) -> type:
     qualname = f"{kind}[{func_name}]"
-    return type(qualname, (base,), {"__module__": __name__, "__qualname__": qualname, "inner": inner})
+    return type(qualname, (base,), {"__module__": _FUNC_NAME_MODULE, "__qualname__": qualname, "inner": inner})
 
 
 _BASES: tuple[type, type] | None = None
@@ -196,7 +207,7 @@ def _with(attrs: dict[str, ir.Attr], name: str, value) -> None:
 
 
 def clone_with_rng_replay(
-    graph: ir.Graph, node: ir.Node, inputs: Sequence[ir.Value | None], cloner: "_Cloner"
+    graph: ir.Graph, node: ir.Node, inputs: Sequence[ir.Value | None], cloner: Cloner
 ) -> tuple[ir.Node, ir.Node]:
     """Rewrite the forward PythonOp ``node`` to save the generator states, and create its
     clone replaying them.  Returns (the forward node now in the graph, the clone)."""
@@ -274,7 +285,7 @@ def _string(node: ir.Node, name: str) -> str:
     return attr.as_string() if attr is not None else ""
 
 
-def _saving_forward(node: ir.Node, save_name: str, cloner: "_Cloner") -> ir.Node:
+def _saving_forward(node: ir.Node, save_name: str, cloner: Cloner) -> ir.Node:
     attrs = {a.name: a for a in node.attributes.values()}
     _with(attrs, "func_name", save_name)
     _with(attrs, "training_mode", 0)

@@ -1,0 +1,1 @@
+"""Facts about op families that several passes share."""
