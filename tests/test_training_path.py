@@ -280,24 +280,24 @@ def _decoder_forward(dynamic_axes=None) -> ir.Model:
 def test_a_static_forward_gets_onnx_inference_and_the_same_training_graph(monkeypatch):
     """Every dim static: onnx's shape inference stands in for ORT's symbolic one (a tenth
     of the time) and the training graph comes out byte for byte the same."""
-    from ortpass.training import build
+    from ortpass.training import build, shapes
 
     forward = _decoder_forward()
     proto = ir.to_proto(forward)
     build.clamp_for_ort(proto)
-    assert build._infer_static_shapes(proto) is not None
+    assert shapes._infer_static_shapes(proto) is not None
     fast = ir.to_proto(build_training_graph(forward)).SerializeToString()
-    monkeypatch.setattr(build, "_infer_static_shapes", lambda proto: None)
+    monkeypatch.setattr(shapes, "_infer_static_shapes", lambda proto: None)
     symbolic = ir.to_proto(build_training_graph(forward)).SerializeToString()
     assert fast == symbolic
 
 
 def test_a_forward_with_a_dim_onnx_cannot_tell_keeps_the_symbolic_inference():
-    from ortpass.training import build
+    from ortpass.training import shapes
 
     axes = {"input_ids": {0: "batch", 1: "seq"}, "labels": {0: "batch", 1: "seq"}}
     dynamic = ir.to_proto(_decoder_forward(axes))
-    assert build._infer_static_shapes(dynamic) is None
+    assert shapes._infer_static_shapes(dynamic) is None
     # A static graph with an op onnx has no rule for: its output's shape stays unknown.
     unknown_op = onnx.helper.make_model(
         onnx.helper.make_graph(
@@ -308,7 +308,7 @@ def test_a_forward_with_a_dim_onnx_cannot_tell_keeps_the_symbolic_inference():
         ),
         opset_imports=[onnx.helper.make_opsetid("", 17), onnx.helper.make_opsetid("custom.ops", 1)],
     )
-    assert build._infer_static_shapes(unknown_op) is None
+    assert shapes._infer_static_shapes(unknown_op) is None
 
 
 def test_the_training_graph_is_the_same_whatever_python_hashes(tmp_path):

@@ -18,12 +18,8 @@ from ortpass.infra.base import OrtFunctionalPass
 from ortpass.infra.metadata import get_export_info
 from ortpass.infra.registry import register_pass
 from ortpass.infra.validate import check_for_gradient_build
-from ortpass.training.build import (
-    _resolve_loss,
-    _resolve_params,
-    build_training_graph,
-    check_forward_model,
-)
+from ortpass.training.build import build_training_graph
+from ortpass.training.forward_checks import check_forward_model, resolve_loss, resolve_params
 
 __all__ = ["BuildTrainingGraphPass"]
 
@@ -51,8 +47,8 @@ class BuildTrainingGraphPass(OrtFunctionalPass):
         proto = ir.to_proto(model)
         check_for_gradient_build(model, self.params, proto=proto)
         export_info = get_export_info(model)
-        loss = _resolve_loss(proto, self.loss or export_info.get("loss"))
-        _resolve_params(proto, self.params if self.params is not None else export_info.get("params"))
+        loss = resolve_loss(proto, self.loss or export_info.get("loss"))
+        resolve_params(proto, self.params if self.params is not None else export_info.get("params"))
         check_forward_model(proto, loss)
 
     def requires(self, model: ir.Model) -> None:

@@ -1,0 +1,171 @@
+"""Checks of the forward model before the gradient build: a scalar loss, integer labels, parameters
+that exist, and a graph ORT can order; each refusal names the value or node at fault."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import onnx
+import onnx.numpy_helper
+import onnx_ir as ir
+
+from ortpass.conventions import (
+    MS_DOMAIN,
+)
+from ortpass.errors import TrainingGraphError
+
+__all__ = ["check_forward_model"]
+
+
+def check_forward_model(proto: onnx.ModelProto, loss: str) -> None:
+    """Refuse, naming the node and value, a forward model ORT's gradient builder would
+    reject with a message about its own C++ internals (or a crash).
+
+    Checked in one walk over the graph: every value is produced once; every node input is
+    a graph input, an initializer or a node output; the graph is acyclic; every graph
+    output is produced; the loss is a scalar (when its shape is declared); the labels of a
+    softmax cross-entropy loss are integer class indices (when their type is known).
+    """
+    graph = proto.graph
+    defined = {v.name for v in graph.input} | {t.name for t in graph.initializer}
+    producer = _producers(graph, defined)
+    for index, node in enumerate(graph.node):
+        for name in node.input:
+            if name and name not in defined and name not in producer:
+                raise TrainingGraphError(
+                    f"node {_node_label(node, index)} reads {name!r}, which no node, graph input or initializer defines"
+                )
+    for output in graph.output:
+        if output.name not in defined and output.name not in producer:
+            raise TrainingGraphError(f"graph output {output.name!r} is produced by no node")
+    _check_acyclic(graph, producer)
+    _check_loss_is_scalar(graph, loss)
+    _check_label_types(graph)
+
+
+def _node_label(node: onnx.NodeProto, index: int) -> str:
+    return f"{node.name!r} ({node.op_type})" if node.name else f"#{index} ({node.op_type}, unnamed)"
+
+
+def _producers(graph: onnx.GraphProto, defined: set[str]) -> dict[str, int]:
+    producer: dict[str, int] = {}
+    for index, node in enumerate(graph.node):
+        for name in node.output:
+            if not name:
+                continue
+            if name in producer or name in defined:
+                first = (
+                    f"node {_node_label(graph.node[producer[name]], producer[name])}"
+                    if name in producer
+                    else "a graph input or initializer"
+                )
+                raise TrainingGraphError(
+                    f"value {name!r} is defined twice: by {first} and by node {_node_label(node, index)}; "
+                    "ONNX values have one producer"
+                )
+            producer[name] = index
+    return producer
+
+
+def _check_acyclic(graph: onnx.GraphProto, producer: dict[str, int]) -> None:
+    """Kahn's algorithm over node indices; what it cannot order lies on or after a cycle."""
+    nodes = graph.node
+    consumers: dict[int, list[int]] = {}
+    pending = [0] * len(nodes)
+    for index, node in enumerate(nodes):
+        sources = {producer[name] for name in node.input if name in producer}
+        pending[index] = len(sources)
+        for source in sources:
+            consumers.setdefault(source, []).append(index)
+    ready = [i for i, n in enumerate(pending) if n == 0]
+    done = 0
+    while ready:
+        index = ready.pop()
+        done += 1
+        for consumer in consumers.get(index, ()):
+            pending[consumer] -= 1
+            if pending[consumer] == 0:
+                ready.append(consumer)
+    if done < len(nodes):
+        stuck = [_node_label(nodes[i], i) for i, n in enumerate(pending) if n > 0]
+        shown = ", ".join(stuck[:5]) + (f" and {len(stuck) - 5} more" if len(stuck) > 5 else "")
+        raise TrainingGraphError(f"the graph has a cycle: nodes {shown} are on it or read from it")
+
+
+def _check_loss_is_scalar(graph: onnx.GraphProto, loss: str) -> None:
+    output = next(o for o in graph.output if o.name == loss)
+    if not output.type.tensor_type.HasField("shape"):
+        return  # undeclared: the gradient builder will tell
+    dims = output.type.tensor_type.shape.dim
+    if any(not (d.HasField("dim_value") and d.dim_value == 1) for d in dims):
+        shape = [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in dims]
+        raise TrainingGraphError(
+            f"loss {loss!r} is not a scalar (declared shape {shape}); reduce it (e.g. ReduceMean) before "
+            "building the gradient"
+        )
+
+
+_LOSS_OPS = {("", "SoftmaxCrossEntropyLoss"), (MS_DOMAIN, "SoftmaxCrossEntropyLossInternal")}
+
+
+_LABEL_TYPES = {onnx.TensorProto.INT32, onnx.TensorProto.INT64}
+
+
+def _check_label_types(graph: onnx.GraphProto) -> None:
+    types = {v.name: v.type.tensor_type.elem_type for v in (*graph.input, *graph.value_info)}
+    types.update({t.name: t.data_type for t in graph.initializer})
+    for index, node in enumerate(graph.node):
+        domain = "" if node.domain == "ai.onnx" else node.domain
+        if (domain, node.op_type) not in _LOSS_OPS or len(node.input) < 2:
+            continue
+        label_type = types.get(node.input[1], onnx.TensorProto.UNDEFINED)
+        if label_type not in (onnx.TensorProto.UNDEFINED, *_LABEL_TYPES):
+            raise TrainingGraphError(
+                f"loss node {_node_label(node, index)} reads labels {node.input[1]!r} of type "
+                f"{onnx.TensorProto.DataType.Name(label_type)}; labels must be int32 or int64 class indices"
+            )
+
+
+def resolve_loss(proto: onnx.ModelProto, loss: str | None) -> str:
+    outputs = [o.name for o in proto.graph.output]
+    if loss is None:
+        loss = "loss" if "loss" in outputs else (outputs[0] if len(outputs) == 1 else None)
+        if loss is None:
+            raise TrainingGraphError(f"cannot tell which output is the loss; pass loss=... (outputs: {outputs})")
+    if loss not in outputs:
+        raise TrainingGraphError(f"loss {loss!r} is not a graph output; outputs are {outputs}")
+    return loss
+
+
+def resolve_params(proto: onnx.ModelProto, params: Iterable[str] | None) -> list[str]:
+    initializers = {init.name: init for init in proto.graph.initializer}
+    inputs = {i.name: i for i in proto.graph.input}
+    if params is None:
+        params = [
+            name
+            for name, init in initializers.items()
+            if len(init.dims) > 0 and init.data_type in float_proto_types()
+        ]
+    params = list(params)
+    if not params:
+        raise TrainingGraphError("no parameters to differentiate")
+    for name in params:
+        if name in initializers:
+            data_type = initializers[name].data_type
+        elif name in inputs:
+            data_type = inputs[name].type.tensor_type.elem_type
+        else:
+            raise TrainingGraphError(f"parameter {name!r} is neither an initializer nor a graph input of the model")
+        if data_type not in float_proto_types():
+            raise TrainingGraphError(f"parameter {name!r} is not floating point (type {onnx.TensorProto.DataType.Name(data_type)})")
+    if len(set(params)) != len(params):
+        raise TrainingGraphError(f"duplicate parameter names in {params}")
+    return params
+
+
+#: The float types whose initializers are trainable parameters.
+_FLOAT_TYPES = {ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE}
+
+
+def float_proto_types() -> set[int]:
+    return {int(t) for t in _FLOAT_TYPES}
