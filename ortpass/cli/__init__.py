@@ -1,0 +1,168 @@
+"""The ``ortpass`` command: optimize a model with a pipeline, list the passes, report on a
+model, check golden models.
+
+Exit codes: 0 success; 2 bad usage or bad input (an argument, a file that is not a model,
+a malformed model, a bad pipeline or pass option, a set of passes that cannot be ordered,
+an output that would overwrite an input or another output, a model naming a Function
+nobody registered); 1 a pass failed (the message names the pass and the reason; no model
+is written), or a golden model no longer matches its expectations.
+
+Every output path is checked before any work starts (:func:`ortpass.cli.outputs.check_outputs`), and every
+file is written atomically by :mod:`ortpass.io`, only once the run has succeeded (a
+failing run writes only the report asked for; ``--dump-dir`` files are written as the
+passes run).
+
+The report table goes to stdout; progress and diagnostics go through ``logging`` to stderr,
+one bounded line each (``-v`` for more, ``-q`` for less).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import NoReturn, Sequence
+
+from ortpass.cli.commands import run_golden, run_list_passes, run_optimize, run_report
+from ortpass.cli.errors import UsageError
+from ortpass.cli.log_output import configure_logging
+from ortpass.errors import (
+    OrtpassError,
+    PassFailedError,
+    UnregisteredFunctionError,
+    elide,
+)
+from ortpass.passes import DEFAULT_PIPELINE
+
+__all__ = ["main"]
+
+logger = logging.getLogger(__name__)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse has printed the usage message (2) or --help (0)
+        return int(exc.code or 0)
+    restore = configure_logging(args.verbose - args.quiet)
+    try:
+        return args.run(args)
+    except PassFailedError as exc:
+        if isinstance(exc.__cause__, UnregisteredFunctionError):
+            # The model names a Function this process has not registered (and the command
+            # cannot register one): bad input, not a broken pass.
+            logger.error("%s: %s", type(exc.__cause__).__name__, exc.__cause__)
+            return 2
+        logger.error("%s", exc)
+        return 1
+    except (OrtpassError, UsageError, OSError) as exc:
+        logger.error("%s: %s", type(exc).__name__, exc)
+        return 2
+    except KeyboardInterrupt:
+        logger.error("interrupted; nothing was written but what the log above says")
+        return 130
+    except Exception as exc:  # noqa: BLE001 - a bug: one line, the traceback with -v
+        logger.error("internal error (a bug in ortpass; -v shows the traceback): %s: %s", type(exc).__name__, exc)
+        logger.debug("traceback", exc_info=exc)
+        return 1
+    finally:
+        restore()
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a bad argument reported in one line (not the whole usage first)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="ortpass", description="Training-graph optimization passes for ONNX Runtime.")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more diagnostics (repeatable)")
+    parser.add_argument("-q", "--quiet", action="count", default=0, help="fewer diagnostics (repeatable)")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    optimize = commands.add_parser("optimize", help="run a pass pipeline on a model and print its report")
+    optimize.add_argument("input", metavar="IN.onnx")
+    optimize.add_argument("-o", "--output", metavar="OUT.onnx", help="where to write the result (replaced if it exists, unless it is IN)")
+    optimize.add_argument("--pipeline", default=DEFAULT_PIPELINE, metavar="SPEC", help=f"passes to run, e.g. \"a,b(opt=1)\" (default: {DEFAULT_PIPELINE})")
+    optimize.add_argument("--dump-dir", metavar="DIR", help="write the model after each pass that changed it, as NN_<pass>.onnx")
+    optimize.add_argument("--report", metavar="R.json", help="also save the report as JSON (also when a pass fails)")
+    optimize.add_argument("--in-place", action="store_true", help="allow the output to replace IN (the default output then)")
+    optimize.set_defaults(run=run_optimize)
+
+    listing = commands.add_parser("list-passes", help="list the passes a pipeline can name")
+    listing.set_defaults(run=run_list_passes)
+
+    report = commands.add_parser("report", help="analyse a model (read only): summary and recompute candidates")
+    report.add_argument("input", metavar="IN.onnx")
+    report.add_argument("--json", metavar="R.json", help="save the summary and the analysis as JSON")
+    report.add_argument("--plot", metavar="P.png", help="plot the recompute candidates (the format follows the suffix; none: PNG)")
+    report.add_argument(
+        "--probe-level", type=int, choices=(0, 1), default=1, metavar="{0,1}",
+        help="recompute probe level, as ORT's: 0 basic ops, 1 also MatMul/Softmax/LayerNorm (default 1)",
+    )
+    report.add_argument(
+        "--min-elements", type=_non_negative_int, default=1 << 20, metavar="N",
+        help="skip all-static stashed tensors smaller than this, as ORT does (default 1048576)",
+    )
+    report.add_argument(
+        "--dim", action="append", type=_dim, default=[], metavar="NAME=N", dest="dims",
+        help="size of a symbolic dim to evaluate sizes at (repeatable; overrides the dims recorded at export)",
+    )
+    report.add_argument("--layer-boundary", action="store_true", help="group candidates by layer boundary")
+    report.set_defaults(run=run_report)
+
+    golden = commands.add_parser(
+        "golden", help="check golden models against their recorded expectations, or update them (runs the case files' code)"
+    )
+    golden.add_argument("action", choices=("check", "update"), help="check: re-run and diff; update: rewrite the expectations")
+    golden.add_argument("names", nargs="*", metavar="NAME", help="golden models to run (default: all)")
+    golden.add_argument(
+        "--dir", default="golden_models", metavar="DIR",
+        help="directory of golden case files, whose Python code is imported and run (default: ./golden_models)",
+    )
+    golden.set_defaults(run=run_golden)
+    return parser
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {elide(text, 40)!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, not {value}")
+    return value
+
+
+def _dim(text: str) -> tuple[str, int]:
+    name, sep, size = text.partition("=")
+    if not sep or not name.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=N, not {elide(text, 40)!r}")
+    try:
+        value = int(size)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"the size of dim {name.strip()!r} is not an integer: {elide(size, 40)!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"the size of dim {name.strip()!r} must be positive, not {value}")
+    return name.strip(), value
+
+
+# -- where a command writes ------------------------------------------------------------
+
+
+# -- optimize -------------------------------------------------------------------------
+
+
+# -- list-passes ------------------------------------------------------------------------
+
+
+# -- report -------------------------------------------------------------------------------
+
+
+# -- golden ---------------------------------------------------------------------------
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
