@@ -24,10 +24,8 @@ from ortpass.export.density import (
     density_probe,
     label_density,
 )
-from ortpass.passes.insert_gather_before_sce_loss import (
-    FLAG_FUNC_NAME,
-    InsertGatherBeforeSceLossPass,
-)
+from ortpass.ops.density_flag import FLAG_FUNC_NAME
+from ortpass.passes.insert_gather_before_sce_loss import InsertGatherBeforeSceLossPass
 from ortpass.pythonop import bridge
 from ortpass.pythonop.export import pythonop_export_context
 from ortpass.runtime import TrainingSession

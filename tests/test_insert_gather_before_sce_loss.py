@@ -11,12 +11,9 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto
 
-from ortpass.conventions import CREATED_BY_KEY
-from ortpass.passes.insert_gather_before_sce_loss import (
-    FLAG_FUNC_NAME,
-    PRINT_DENSITY_ENV,
-    InsertGatherBeforeSceLossPass,
-)
+from ortpass.conventions import CREATED_BY_KEY, PRINT_DENSITY_ENV
+from ortpass.ops.density_flag import FLAG_FUNC_NAME
+from ortpass.passes.insert_gather_before_sce_loss import InsertGatherBeforeSceLossPass
 from ortpass.runtime import TrainingSession
 from ortpass.training import build_training_graph
 
@@ -515,7 +512,7 @@ def test_flag_shape_inferer_is_known_without_torch():
     code = (
         "import sys, ortpass.passes\n"
         "from ortpass.pythonop.shape_inference import get_shape_inferer\n"
-        "from ortpass.passes.insert_gather_before_sce_loss import FLAG_FUNC_NAMES\n"
+        "from ortpass.ops.density_flag import FLAG_FUNC_NAMES\n"
         "assert all(get_shape_inferer(n) is not None for n in FLAG_FUNC_NAMES)\n"
         "assert 'torch' not in sys.modules\n"
     )

@@ -15,7 +15,7 @@ _LAZY = {
     "export": "ortpass.export.torchscript",
     "register_exporter": "ortpass.pythonop.export",
     "register_shape_inferer": "ortpass.pythonop.shape_inference",
-    "register_function": "ortpass.pythonop.bridge",
+    "register_function": "ortpass.pythonop.registry",
     "register_symbolic": "ortpass.export.symbolics",
 }
 

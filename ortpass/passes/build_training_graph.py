@@ -19,7 +19,11 @@ from ortpass.infra.metadata import get_export_info
 from ortpass.infra.registry import register_pass
 from ortpass.infra.validate import check_for_gradient_build
 from ortpass.training.build import build_training_graph
-from ortpass.training.forward_checks import check_forward_model, resolve_loss, resolve_params
+from ortpass.training.forward_checks import (
+    check_forward_model,
+    resolve_loss,
+    resolve_params,
+)
 
 __all__ = ["BuildTrainingGraphPass"]
 

@@ -29,55 +29,31 @@ import onnx_ir as ir
 
 from ortpass.conventions import (
     CREATED_BY_KEY,
-    DENSITY_FLAG,
     MS_DOMAIN,
     PRINT_DENSITY_ENV,
-    is_onnx_domain,
 )
+from ortpass.graph.names import NameAllocator
 from ortpass.infra.base import OrtPass
 from ortpass.infra.registry import register_pass
-from ortpass.pythonop.shape_inference import register_shape_inferer
+from ortpass.ops.density_flag import flag_before, flag_density, is_flag
+from ortpass.ops.sce_loss import (
+    LABEL_TYPES,
+    SCE_MIN_OPSET,
+    is_sce_loss,
+    sce_ignore_index,
+    sce_reduction,
+)
 
-__all__ = [
-    "FLAG_FUNC_NAME",
-    "FLAG_FUNC_NAMES",
-    "PRINT_DENSITY_ENV",
-    "VALID_DIM_PREFIX",
-    "InsertGatherBeforeSceLossPass",
-]
+__all__ = ["VALID_DIM_PREFIX", "InsertGatherBeforeSceLossPass"]
 
 logger = logging.getLogger(__name__)
-
-
-#: func_name of the flag ``ortpass.export.density`` exports (module.QualName of the class).
-#: Spelled out here so that this pass does not import torch.
-FLAG_FUNC_NAME = DENSITY_FLAG
-#: Flags this pass recognizes: ours, and the one ORTModule exported.
-FLAG_FUNC_NAMES = frozenset({FLAG_FUNC_NAME, "onnxruntime.training.ortmodule._runtime_inspector.FlagAndPrintDensity"})
-
-
-
-def _flag_shape(node: ir.Node, input_shapes, input_dtypes):
-    """The flag is an identity: its output keeps the label's dims (``batch``, ``seq``...)."""
-    return [input_shapes[0]], [input_dtypes[0]]
-
-
-# Registered here, not beside the torch Function, so that a process that only loads a
-# saved model (and never imports torch) still infers the flag's shape.
-for _name in sorted(FLAG_FUNC_NAMES):
-    register_shape_inferer(_name)(_flag_shape)
 
 
 #: Name prefix of the symbolic dim that counts the valid labels of one loss.
 VALID_DIM_PREFIX = "valid_label_count_"
 
-# SoftmaxCrossEntropyLoss takes class indices of these types (both ai.onnx and the contrib op).
-_LABEL_TYPES = frozenset({ir.DataType.INT32, ir.DataType.INT64})
-
 # ai.onnx Squeeze takes its axes as an input from opset 13 on, as an attribute before.
 _SQUEEZE_AXES_AS_INPUT_OPSET = 13
-# SoftmaxCrossEntropyLoss first exists in ai.onnx opset 12.
-_SCE_MIN_OPSET = 12
 
 
 @dataclasses.dataclass
@@ -166,7 +142,7 @@ class InsertGatherBeforeSceLossPass(OrtPass):
         types = _TypeSource(model)
         candidates = []
         for node in graph:
-            if not _is_sce_loss(node, model):
+            if not is_sce_loss(node, model):
                 continue
             candidate, reason = self._check(node, types)
             if candidate is None:
@@ -196,7 +172,7 @@ class InsertGatherBeforeSceLossPass(OrtPass):
         producer = label.producer() if label is not None else None
         if producer is not None and producer.op_type == "ShrunkenGather" and producer.domain == MS_DOMAIN:
             return None, "already rewritten: the label comes from a ShrunkenGather"
-        flag = _flag_before(label)
+        flag = flag_before(label)
         if flag is None and not self.force:
             return None, "label is not flagged by FlagAndPrintDensity (density at export >= threshold, or not probed)"
         logits_shape = types.shape(loss.inputs[0])
@@ -210,10 +186,10 @@ class InsertGatherBeforeSceLossPass(OrtPass):
             return None, f"rank unknown (logits rank {logits_rank}, labels rank {label_rank})"
         if (logits_rank, label_rank) != (2, 1):
             return None, f"logits rank {logits_rank} and labels rank {label_rank}; needs 2 and 1"
-        reduction = _reduction(loss)
+        reduction = sce_reduction(loss)
         if reduction not in ("mean", "sum"):
             return None, f"reduction is {reduction!r}; needs 'mean' or 'sum' (the loss would change shape)"
-        ignore_index, reason = _ignore_index(loss)
+        ignore_index, reason = sce_ignore_index(loss)
         if ignore_index is None:
             return None, reason
         log_prob = loss.outputs[1] if len(loss.outputs) > 1 else None
@@ -225,7 +201,7 @@ class InsertGatherBeforeSceLossPass(OrtPass):
         label_dtype = types.dtype(label) or (types.dtype(flag.inputs[0]) if flag is not None else None)
         if logits_dtype is None or label_dtype is None:
             return None, f"element type unknown (logits {logits_dtype}, labels {label_dtype})"
-        if label_dtype not in _LABEL_TYPES:
+        if label_dtype not in LABEL_TYPES:
             # The loss itself would be invalid; rewriting it would only move the failure.
             return None, f"labels are {label_dtype.name}, not INT32/INT64 class indices"
         return _Candidate(loss, ignore_index, flag, logits_dtype, logits_shape, label_dtype, label_shape), ""
@@ -236,8 +212,8 @@ class InsertGatherBeforeSceLossPass(OrtPass):
         loss = candidate.loss
         logits, labels = loss.inputs[0], loss.inputs[1]
         assert logits is not None and labels is not None  # _check read their ranks
-        dim = namer.dim(VALID_DIM_PREFIX)
-        opset = model.opset_imports.get("", _SCE_MIN_OPSET)
+        dim = namer.dims.fresh(VALID_DIM_PREFIX, always_number=True)
+        opset = model.opset_imports.get("", SCE_MIN_OPSET)
         tape = ir.tape.Tape()
         indices = _valid_indices(tape, labels, candidate, dim, opset)
         types = ((candidate.logits_dtype, candidate.logits_shape), (candidate.label_dtype, candidate.label_shape))
@@ -252,15 +228,15 @@ class InsertGatherBeforeSceLossPass(OrtPass):
             # Unused, but the gradient build reads it: its rows are now the valid rows.
             log_prob.shape = _with_first_dim(log_prob.shape, dim)
         for node in tape.nodes:
-            node.outputs[0].name = namer.value(node.outputs[0].name)
-            node.name = namer.node(f"{node.outputs[0].name}_{node.op_type}")
+            node.outputs[0].name = namer.values.fresh(node.outputs[0].name)
+            node.name = namer.nodes.fresh(f"{node.outputs[0].name}_{node.op_type}")
             node.metadata_props[CREATED_BY_KEY] = self.pass_name
         graph.insert_before(loss, tape.nodes)
         model.opset_imports.setdefault(MS_DOMAIN, 1)
         self.count("losses rewritten")
         self.count("gathers inserted", 2)
         record = {"node": loss.name, "op": loss.op_type, "valid_dim": dim}
-        density = _flag_density(candidate.flag) if candidate.flag is not None else None
+        density = flag_density(candidate.flag) if candidate.flag is not None else None
         if density is not None:
             record["export_density"] = density
         self.note("rewritten", record)
@@ -288,7 +264,7 @@ class InsertGatherBeforeSceLossPass(OrtPass):
         """
         changed = 0
         for node in graph:
-            label = node.inputs[0] if _is_flag(node) and node.inputs else None
+            label = node.inputs[0] if is_flag(node) and node.inputs else None
             if label is None or label.dtype is None or not label.dtype.is_integer():
                 continue
             if node.attributes.get_int("training_mode", 0) != 0 and not node.outputs[0].uses():
@@ -301,7 +277,7 @@ class InsertGatherBeforeSceLossPass(OrtPass):
     def _remove_flags(self, graph: ir.Graph) -> int:
         removed = 0
         for node in list(graph):
-            if not _is_flag(node):
+            if not is_flag(node):
                 continue
             context, flagged = node.outputs[0], node.outputs[1]
             if flagged.is_graph_output() or context.uses() or context.is_graph_output():
@@ -313,41 +289,6 @@ class InsertGatherBeforeSceLossPass(OrtPass):
         if removed:
             self.count("flags removed", removed)
         return removed
-
-
-# -- helpers ----------------------------------------------------------------------------------
-def _is_sce_loss(node: ir.Node, model: ir.Model) -> bool:
-    if node.op_type == "SoftmaxCrossEntropyLossInternal":
-        return node.domain == MS_DOMAIN
-    if node.op_type == "SoftmaxCrossEntropyLoss" and is_onnx_domain(node.domain):
-        return model.opset_imports.get("", 0) >= _SCE_MIN_OPSET
-    return False
-
-
-def _is_flag(node: ir.Node) -> bool:
-    if node.op_type != "PythonOp" or node.domain != MS_DOMAIN:
-        return False
-    func_name = node.attributes.get("func_name")
-    return func_name is not None and func_name.value in FLAG_FUNC_NAMES and len(node.outputs) >= 2
-
-
-def _flag_before(label: ir.Value | None) -> ir.Node | None:
-    """The density flag producing ``label``, directly or through one Reshape."""
-    producer = label.producer() if label is not None else None
-    if producer is not None and producer.op_type == "Reshape" and is_onnx_domain(producer.domain):
-        data = producer.inputs[0]
-        producer = data.producer() if data is not None else None
-    if producer is not None and _is_flag(producer):
-        return producer
-    return None
-
-
-def _flag_density(flag: ir.Node) -> float | None:
-    """The density the flag recorded at export (its first float argument), if any."""
-    floats = flag.attributes.get("input_float_scalars")
-    if floats is None or not floats.value:
-        return None
-    return float(floats.value[0])
 
 
 class _TypeSource:
@@ -391,30 +332,6 @@ def _infer_copy(model: ir.Model) -> dict[str, ir.Value]:
     return {out.name: out for node in graph for out in node.outputs if out.name}
 
 
-def _reduction(loss: ir.Node) -> str:
-    # Both ops default to "mean" when the attribute is absent.
-    return loss.attributes.get_string("reduction", "mean")
-
-
-def _ignore_index(loss: ir.Node) -> tuple[int | None, str]:
-    """The loss's ignore_index, or None and why it is not known."""
-    if loss.op_type == "SoftmaxCrossEntropyLoss":
-        attr = loss.attributes.get("ignore_index")
-        if attr is None:
-            return None, "ignore_index attribute is missing"
-        return int(attr.value), ""
-    operand = loss.inputs[3] if len(loss.inputs) > 3 else None
-    if operand is None:
-        return None, "ignore_index input (input 3) is missing"
-    tensor = ir.convenience.get_const_tensor(operand)
-    if tensor is None:
-        return None, f"ignore_index input {operand.name!r} is not a constant"
-    array = tensor.numpy()
-    if array.size != 1:
-        return None, f"ignore_index input {operand.name!r} has {array.size} elements; needs a scalar"
-    return int(array.reshape(())), ""
-
-
 def _valid_indices(tape: ir.tape.Tape, labels: ir.Value, candidate: _Candidate, dim: str, opset: int) -> ir.Value:
     """``Squeeze(NonZero(labels - ignore_index), axis 0)``: positions of the valid labels."""
     # A fresh constant in the labels' own dtype: the Internal op's ignore_index input is
@@ -456,26 +373,8 @@ class _Namer:
     def __init__(self, graph: ir.Graph) -> None:
         values = [*graph.inputs, *graph.initializers.values()]
         values += [out for node in graph for out in node.outputs]
-        self._values = {v.name for v in values if v.name}
-        self._nodes = {node.name for node in graph if node.name}
-        self._dims = {
+        self.values = NameAllocator(v.name for v in values if v.name)
+        self.nodes = NameAllocator(node.name for node in graph if node.name)
+        self.dims = NameAllocator(
             str(d.value) for v in values for d in (v.shape or ()) if isinstance(d, ir.SymbolicDim) and d.value is not None
-        }
-
-    def value(self, base: str) -> str:
-        return _fresh(base, self._values, always_number=False)
-
-    def node(self, base: str) -> str:
-        return _fresh(base, self._nodes, always_number=False)
-
-    def dim(self, prefix: str) -> str:
-        return _fresh(prefix, self._dims, always_number=True)
-
-
-def _fresh(base: str, used: set[str], *, always_number: bool) -> str:
-    name, n = (f"{base}0", 0) if always_number else (base, 0)
-    while name in used:
-        n += 1
-        name = f"{base}{n}" if always_number else f"{base}_{n}"
-    used.add(name)
-    return name
+        )

@@ -1,46 +1,13 @@
 """The torch bridge: run ``com.microsoft::PythonOp`` / ``PythonOpGrad`` on ORT 1.19.2.
 
-ORT's PythonOp kernels call two *runners* through C function pointers registered with
-``register_forward_runner`` / ``register_backward_runner``.  ORT's own runners live in a
-torch C++ extension that no longer compiles against torch 2.15; ours are plain Python,
-exposed to ORT as C callbacks through ``ctypes``.  What ORT 1.19.2 calls (from
-``orttraining/core/framework/torch/torch_proxy.cc`` and the PythonOp kernel base):
-
-    std::vector<PyObject*> runner(const char* func_name, void* callback,
-                                  const std::vector<int64_t>& requires_grads,
-                                  const std::vector<int64_t>& tensor_flags,
-                                  bool is_training_mode,
-                                  const std::vector<int64_t>& inplace_map,
-                                  const char* invoke_id, bool safe_run_mode,
-                                  const std::vector<PyObject*>& args);
-
-- forward: ``args`` has one entry per Function argument: a DLPack capsule where
-  ``tensor_flags`` is 1, else the constant rebuilt from the node's typed attributes.  The
-  runner returns ``[ctx, capsule per output]``; ORT takes one reference to ``ctx``, keeps it
-  under an int64 handle (the PythonOp's output 0) and requires, in safe-run mode, that
-  someone else holds another reference (``refcnt >= 2``) and that every returned capsule
-  has a reference count of exactly 1.  In inference mode ``ctx`` must be ``None``.
-- backward: ``args`` is ``[ctx, grad capsule or None per forward output]``; the runner
-  returns one entry per forward argument (a capsule for a tensor argument that needs a
-  gradient, ``None`` elsewhere).  ORT drops its ``ctx`` reference afterwards.
-- ``callback`` is ``Function.apply`` from ORT's pool (``register_torch_autograd_function``),
-  which must hold every ``func_name`` before a session runs.  Our runners dispatch on
-  ``func_name`` through ortpass's own registry instead, so only Functions registered
-  here (:func:`register_function`), exported in this process, or ortpass's own
-  (:data:`ortpass.conventions.BUILTIN_FUNCTIONS`: the density flag, the fused attention) run.
-
-A std::vector returned by value travels through a hidden pointer (x86-64 SysV / Itanium
-C++ ABI), so the C signature of our callbacks starts with that pointer, and the result
-vector is built in place: three pointers (begin, end, end of storage) to memory from the
-process's ``operator new``, which the C++ caller frees with ``operator delete``.
-
-Forward runs ``Function.apply`` on leaf copies of the inputs with autograd enabled and
-keeps the outputs and leaves in a table keyed by a handle (the ``ctx`` object is that
-table entry); backward calls ``torch.autograd.grad`` on them, which runs the Function's
-own ``backward`` exactly as torch does (missing output gradients become zeros), and frees
-the entry.  Inputs and outputs are copied between ORT and torch in training mode: ORT's
-memory planner may reuse a buffer after what it sees as the last use, while the Function's
-``ctx`` may have saved that very tensor for backward.
+ORT's PythonOp kernels call two *runners* through C function pointers; ORT's own live in a
+torch C++ extension that no longer builds against current torch, so ortpass's are plain
+Python exposed as ``ctypes`` callbacks.  They dispatch on ``func_name`` through ortpass's
+registry (:mod:`ortpass.pythonop.registry`): only Functions registered there, exported in
+this process, or ortpass's own run.  Forward runs ``Function.apply`` on leaf copies of the
+inputs and keeps what backward needs under a handle; backward runs the Function's own
+``backward`` through ``torch.autograd.grad`` and frees the handle.  The C signatures, the
+ABI and why inputs are copied: ``docs/design/pythonop-bridge.md``.
 """
 
 from __future__ import annotations
@@ -48,20 +15,25 @@ from __future__ import annotations
 import atexit
 import ctypes
 import dataclasses
-import importlib
 import itertools
 import logging
 import threading
-from typing import Any, Iterable
+from typing import Any
 
 import onnx_ir as ir
 import torch
 
-from ortpass.conventions import BUILTIN_FUNCTIONS, MS_DOMAIN
 from ortpass.errors import UnregisteredFunctionError
 from ortpass.infra.validate import (
     REQUIRED_PYTHONOP_ATTRIBUTES,
     refuse_pythonop_missing_attributes,
+)
+from ortpass.pythonop.registry import (
+    all_nodes,
+    pythonop_func_names,
+    register_function,
+    registered_functions,
+    unregister_function,
 )
 
 __all__ = [
@@ -78,90 +50,13 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_PYTHONOP_TYPES = ("PythonOp", "PythonOpGrad")
 
 _lock = threading.RLock()
-_functions: dict[str, type] = {}
 _given_to_ort: set[str] = set()
 _contexts: dict[int, "_CallRecord"] = {}
 _handles = itertools.count(1)
 _runners_installed = False
-_builtins: dict[str, Any] | None = None
 _last_error: BaseException | None = None
-
-
-# -- registry ---------------------------------------------------------------------------------
-
-
-def register_function(function: Any) -> Any:
-    """Allow the bridge to run ``function`` for the PythonOps naming it; returns ``function``.
-
-    ``function`` is a torch.autograd.Function class (key ``module.QualName``; usable as a
-    class decorator) or a ``torch.library.custom_op`` (key ``namespace::name``).
-    """
-    name = _key(function)
-    with _lock:
-        existing = _functions.get(name)
-        if existing is not None and existing is not function:
-            logger.warning("func_name %s now runs %r instead of %r", name, function, existing)
-        _functions[name] = function
-    return function
-
-
-def unregister_function(function: Any) -> None:
-    """Forget a registration made with :func:`register_function` (no error if absent)."""
-    with _lock:
-        _functions.pop(_key(function), None)
-
-
-def _key(function: Any) -> str:
-    from ortpass.pythonop.export import qualified_name
-
-    if isinstance(function, str) or isinstance(function, type):
-        return qualified_name(function)
-    from ortpass.pythonop.custom_op import custom_op_name
-
-    return custom_op_name(function)
-
-
-def registered_functions() -> dict[str, Any]:
-    """Functions the bridge may run: explicit registrations over those exported here, over
-    ortpass's own (:data:`ortpass.conventions.BUILTIN_FUNCTIONS`: the density flag, which a
-    model keeps when the gather pass did not run, and the fused attention), in whatever
-    process runs the model."""
-    from ortpass.pythonop.export import exported_functions
-
-    return {**_builtin_functions(), **exported_functions(), **_functions}
-
-
-def _builtin_functions() -> dict[str, Any]:
-    """ortpass's own Functions by func_name, imported from ortpass's modules on first use
-    (ortpass's code, so no user registration is needed to run a model that names them)."""
-    global _builtins
-    if _builtins is None:
-        _builtins = {}
-        for func_name, where in BUILTIN_FUNCTIONS.items():
-            module, _, qualname = where.partition(":")
-            _builtins[func_name] = getattr(importlib.import_module(module), qualname)
-    return _builtins
-
-
-def pythonop_func_names(model: ir.Model) -> dict[str, str]:
-    """``func_name -> name of the first node calling it`` for every PythonOp(Grad) in ``model``."""
-    found: dict[str, str] = {}
-    for node in _all_nodes(model):
-        if node.domain != MS_DOMAIN or node.op_type not in _PYTHONOP_TYPES:
-            continue
-        attr = node.attributes.get("func_name")
-        func_name = attr.as_string() if attr is not None else ""
-        found.setdefault(func_name, node.name or f"<unnamed {node.op_type}>")
-    return found
-
-
-def _all_nodes(model: ir.Model) -> Iterable[ir.Node]:
-    yield from model.graph.all_nodes()
-    for function in model.functions.values():
-        yield from function.all_nodes()
 
 
 # -- preparing ORT ----------------------------------------------------------------------------
@@ -203,7 +98,7 @@ def prepare(model: ir.Model) -> None:
 def _check_required_attributes(model: ir.Model) -> None:
     """Refuse a PythonOp that lacks an attribute ORT needs, naming the node and attribute
     (otherwise it would surface as a call to an unregistered Function named '')."""
-    for node in _all_nodes(model):
+    for node in all_nodes(model):
         refuse_pythonop_missing_attributes(node)
 
 
