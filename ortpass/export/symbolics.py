@@ -29,10 +29,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 from typing import Any, Callable, Iterator
 
 import torch
+
+from ortpass.infra.named_registry import NamedRegistry
 
 __all__ = ["register_symbolic", "registered_symbolics", "symbolics_context", "unregister_symbolic"]
 
@@ -41,8 +42,7 @@ logger = logging.getLogger(__name__)
 #: ``symbolic(g, *inputs, **attributes)`` as torch.onnx calls it; returns graph value(s).
 Symbolic = Callable[..., Any]
 
-_symbolics: dict[str, Symbolic] = {}
-_lock = threading.Lock()
+_symbolics: NamedRegistry[Symbolic] = NamedRegistry("a symbolic")
 
 
 def register_symbolic(op_name: str, *, replace: bool = False) -> Callable[[Symbolic], Symbolic]:
@@ -56,26 +56,19 @@ def register_symbolic(op_name: str, *, replace: bool = False) -> Callable[[Symbo
         raise ValueError(f"op_name must be namespace::name (e.g. 'aten::diff'), got {op_name!r}")
 
     def decorator(symbolic: Symbolic) -> Symbolic:
-        with _lock:
-            existing = _symbolics.get(op_name)
-            if existing is not None and existing is not symbolic and not replace:
-                raise ValueError(f"a symbolic is already registered for {op_name}: {existing!r}")
-            _symbolics[op_name] = symbolic
-        return symbolic
+        return _symbolics.add(op_name, symbolic, replace=replace)
 
     return decorator
 
 
 def unregister_symbolic(op_name: str) -> None:
     """Forget the symbolic registered for ``op_name`` (no error if there is none)."""
-    with _lock:
-        _symbolics.pop(op_name, None)
+    _symbolics.remove(op_name)
 
 
 def registered_symbolics() -> dict[str, Symbolic]:
     """The registered symbolics by op name."""
-    with _lock:
-        return dict(_symbolics)
+    return _symbolics.snapshot()
 
 
 @contextlib.contextmanager

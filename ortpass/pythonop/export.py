@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import threading
 from typing import Any, Callable, Iterator, Sequence
 
 import onnx
@@ -41,6 +40,7 @@ import torch
 
 from ortpass.conventions import MS_DOMAIN
 from ortpass.errors import ExportError
+from ortpass.infra.named_registry import NamedRegistry
 
 __all__ = [
     "CONTEXT_SUFFIX",
@@ -98,9 +98,8 @@ class FunctionCall:
 #: ``exporter(g, call) -> Value | tuple[Value, ...]`` replacing the Function's outputs.
 Exporter = Callable[[Any, FunctionCall], Any]
 
-_exporters: dict[str, Exporter] = {}
-_exported: dict[str, Any] = {}
-_lock = threading.Lock()
+_exporters: NamedRegistry[Exporter] = NamedRegistry("an exporter")
+_exported: NamedRegistry[Any] = NamedRegistry("an exported Function")
 
 
 def qualified_name(function: type | str) -> str:
@@ -123,20 +122,14 @@ def register_exporter(function: type | str, *, replace: bool = False) -> Callabl
     name = qualified_name(function)
 
     def decorator(exporter: Exporter) -> Exporter:
-        with _lock:
-            existing = _exporters.get(name)
-            if existing is not None and existing is not exporter and not replace:
-                raise ValueError(f"an exporter is already registered for {name}: {existing!r}")
-            _exporters[name] = exporter
-        return exporter
+        return _exporters.add(name, exporter, replace=replace)
 
     return decorator
 
 
 def unregister_exporter(function: type | str) -> None:
     """Remove the exporter registered for ``function`` (no error if there is none)."""
-    with _lock:
-        _exporters.pop(qualified_name(function), None)
+    _exporters.remove(qualified_name(function))
 
 
 def registered_exporter(function: type | str) -> Exporter | None:
@@ -146,14 +139,12 @@ def registered_exporter(function: type | str) -> Exporter | None:
 
 def record_exported(func_name: str, function: Any) -> None:
     """Note that ``function`` was exported as PythonOps named ``func_name`` in this process."""
-    with _lock:
-        _exported[func_name] = function
+    _exported.add(func_name, function, replace=True)
 
 
 def exported_functions() -> dict[str, Any]:
     """Every Function (or custom op) exported as a PythonOp in this process, by func_name."""
-    with _lock:
-        return dict(_exported)
+    return _exported.snapshot()
 
 
 @contextlib.contextmanager

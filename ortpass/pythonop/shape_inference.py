@@ -15,12 +15,12 @@ sequence of ints, dim names and None.
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Callable, Sequence
 
 import onnx_ir as ir
 
 from ortpass.conventions import FUSED_ATTENTION, FUSED_MASKED_ATTENTION
+from ortpass.infra.named_registry import NamedRegistry
 
 __all__ = ["ShapeInferer", "get_shape_inferer", "register_shape_inferer", "unregister_shape_inferer"]
 
@@ -31,8 +31,7 @@ ShapeInferer = Callable[
     "tuple[Sequence[ir.Shape | Sequence[int | str | None] | None], Sequence[ir.DataType | int | None]]",
 ]
 
-_inferers: dict[str, ShapeInferer] = {}
-_lock = threading.Lock()
+_inferers: NamedRegistry[ShapeInferer] = NamedRegistry("a shape inferer")
 
 
 def _func_name(function: type | str) -> str:
@@ -56,20 +55,14 @@ def register_shape_inferer(function: type | str, *, replace: bool = False) -> Ca
     def decorator(inferer: ShapeInferer) -> ShapeInferer:
         if not callable(inferer):
             raise TypeError(f"shape inferer for {name} must be callable, got {inferer!r}")
-        with _lock:
-            existing = _inferers.get(name)
-            if existing is not None and existing is not inferer and not replace:
-                raise ValueError(f"a shape inferer is already registered for {name}: {existing!r}")
-            _inferers[name] = inferer
-        return inferer
+        return _inferers.add(name, inferer, replace=replace)
 
     return decorator
 
 
 def unregister_shape_inferer(function: type | str) -> None:
     """Remove the inferer registered for ``function`` (no error if there is none)."""
-    with _lock:
-        _inferers.pop(_func_name(function), None)
+    _inferers.remove(_func_name(function))
 
 
 def get_shape_inferer(function: type | str) -> ShapeInferer | None:
