@@ -14,6 +14,7 @@ from typing import Sequence
 import onnx_ir as ir
 
 from ortpass.analysis.partition import get_partition, is_training_graph
+from ortpass.conventions import TRAINING_GRAPH
 from ortpass.infra.base import OrtFunctionalPass
 from ortpass.infra.metadata import get_export_info
 from ortpass.infra.registry import register_pass
@@ -34,7 +35,7 @@ logger = logging.getLogger(__name__)
 class BuildTrainingGraphPass(OrtFunctionalPass):
     """Build the forward+backward graph; provides ``training-graph``."""
 
-    provides_properties = {"training-graph"}
+    provides_properties = frozenset({TRAINING_GRAPH})
 
     def __init__(self, params: Sequence[str] | None = None, loss: str | None = None, ort_fusions: bool = True) -> None:
         super().__init__()

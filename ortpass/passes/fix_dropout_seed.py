@@ -19,7 +19,7 @@ import onnx_ir as ir
 from ortpass.analysis.plans import PlanSpec
 from ortpass.analysis.recomputable_ops import ProbeLevel
 from ortpass.analysis.recompute.selection import RecomputeSelection
-from ortpass.conventions import RECOMPUTE_CANDIDATES
+from ortpass.conventions import DROPOUT_SEEDS_FIXED, RECOMPUTE_CANDIDATES
 from ortpass.infra.base import OrtPass
 from ortpass.infra.options import NonNegativeInt, ProbeLevelOption, RecomputeLevel
 from ortpass.infra.registry import register_pass
@@ -46,7 +46,7 @@ class FixDropoutSeedPass(OrtPass):
     """
 
     phase = "post-grad"
-    provides_properties = frozenset({"dropout-seeds-fixed"})
+    provides_properties = frozenset({DROPOUT_SEEDS_FIXED})
     runs_before = frozenset({"recompute"})
     # Seeds are attributes the recompute analysis does not read: RecomputePass reuses it.
     preserves_analyses = frozenset({RECOMPUTE_CANDIDATES})

@@ -8,7 +8,7 @@ from typing import Sequence
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
-from ortpass.conventions import MS_DOMAIN, is_onnx_domain
+from ortpass.conventions import MS_DOMAIN, SHAPES, is_onnx_domain
 from ortpass.errors import OrtpassError
 from ortpass.infra.base import OrtPass
 from ortpass.infra.registry import register_pass
@@ -46,7 +46,7 @@ class PythonOpShapeInferencePass(OrtPass):
     """
 
     phase = "any"
-    provides_properties = frozenset({"shapes"})
+    provides_properties = frozenset({SHAPES})
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         nodes = [n for n in model.graph.all_nodes() if n.domain == MS_DOMAIN and n.op_type in ("PythonOp", "PythonOpGrad")]

@@ -30,7 +30,13 @@ from ortpass.analysis.recompute import (
     RecomputeReport,
 )
 from ortpass.analysis.recompute.selection import AppliedPlan, RecomputeSelection
-from ortpass.conventions import CREATED_BY_KEY, RECOMPUTE_OF_KEY, SIDE_KEY
+from ortpass.conventions import (
+    CREATED_BY_KEY,
+    DROPOUT_SEEDS_FIXED,
+    RECOMPUTE_OF_KEY,
+    RECOMPUTED,
+    SIDE_KEY,
+)
 from ortpass.infra.base import OrtPass
 from ortpass.infra.options import NonNegativeInt, ProbeLevelOption, RecomputeLevel
 from ortpass.infra.registry import register_pass
@@ -41,8 +47,6 @@ __all__ = ["RECOMPUTE_SUFFIX", "RecomputePass"]
 
 logger = logging.getLogger(__name__)
 
-#: The name of the recompute analysis in a pass manager's analysis cache.
-RECOMPUTE_CANDIDATES = "recompute-candidates"
 RECOMPUTE_SUFFIX = "_recompute"
 
 
@@ -71,8 +75,8 @@ class RecomputePass(OrtPass):
     """
 
     phase = "post-grad"
-    requires_properties = frozenset({"dropout-seeds-fixed"})
-    provides_properties = frozenset({"recomputed"})
+    requires_properties = frozenset({DROPOUT_SEEDS_FIXED})
+    provides_properties = frozenset({RECOMPUTED})
 
     def __init__(
         self,
