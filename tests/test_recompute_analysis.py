@@ -473,7 +473,7 @@ def test_not_a_training_graph_is_a_clear_error():
 
 
 def test_timeline_before_and_after(tmp_path):
-    from ortpass.analysis.timeline import memory_timeline
+    from ortpass.analysis.recompute.timeline import memory_timeline
 
     report = analyse(gelu_model())
     timeline = memory_timeline(report, report.select("Gelu+:1:-1"))

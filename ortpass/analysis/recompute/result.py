@@ -243,7 +243,7 @@ class RecomputeReport:
     def plot(self, path: str | os.PathLike, plans: str | Sequence[str | PlanSpec] | None = None) -> str:
         """Write a PNG of live stashed bytes along execution order, without and with ``plans``
         (default: every type-1 plan).  Returns the path."""
-        from ortpass.analysis.timeline import plot_memory_timeline
+        from ortpass.analysis.recompute.timeline import plot_memory_timeline
 
         return plot_memory_timeline(self, path, plans)
 

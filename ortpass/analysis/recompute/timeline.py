@@ -28,7 +28,7 @@ from ortpass.analysis.plans import PlanSpec
 from ortpass.conventions import SIDE_KEY
 
 if TYPE_CHECKING:
-    from ortpass.analysis.recompute import Occurrence, RecomputeReport
+    from ortpass.analysis.recompute.result import Occurrence, RecomputeReport
 
 __all__ = ["MemoryTimeline", "memory_timeline", "plot_memory_timeline"]
 
