@@ -26,9 +26,7 @@ import logging
 from typing import ClassVar
 
 import onnx_ir as ir
-from onnxscript.rewriter import RewriteRuleSet
-from onnxscript.rewriter._basics import MatchResult
-from onnxscript.rewriter._rewrite_rule import RewriteRuleClassBase
+from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, RewriteRuleSet
 
 from ortpass.conventions import MS_DOMAIN
 
