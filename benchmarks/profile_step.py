@@ -36,7 +36,7 @@ def profile(work: Path, key: str, steps: int) -> dict:
     import onnx_ir as ir
     import onnxruntime as ort
 
-    from ortpass.pythonop.recompute import register_rng_replay_functions
+    from ortpass.pythonop.rng_replay import register_rng_replay_functions
     from ortpass.pythonop import bridge
     from ortpass.runtime.session import disabled_optimizers
 

@@ -268,7 +268,7 @@ def child_ort(work: Path, key: str, steps: int, bridge: bool = False) -> dict:
     if bridge:
         import onnx_ir as ir
 
-        from ortpass.pythonop.recompute import register_rng_replay_functions
+        from ortpass.pythonop.rng_replay import register_rng_replay_functions
         from ortpass.pythonop import bridge as torch_bridge
 
         model = ir.load(work / f"{key}.onnx")

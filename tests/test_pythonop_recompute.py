@@ -18,8 +18,7 @@ import ortpass
 from ortpass.analysis import find_recompute_candidates
 from ortpass.export import export
 from ortpass.passes import FixDropoutSeedPass, RecomputePass
-from ortpass.pythonop import bridge
-from ortpass.pythonop import recompute as recompute_pythonop
+from ortpass.pythonop import bridge, rng_replay
 from ortpass.pythonop.export import qualified_name
 from ortpass.runtime import TrainingSession
 from ortpass.testing.flash_attention import FlashAttentionFunction
@@ -120,12 +119,12 @@ def test_pythonop_clone_replays_rng_and_feeds_pythonop_grad(training_graph):
     assert clone.name == forward.name + "_recompute"
     # Forward: inference mode, two extra uint8 state outputs; clone: training mode, reads them.
     assert forward.attributes["training_mode"].as_int() == 0
-    assert forward.attributes["func_name"].as_string() == f"{recompute_pythonop.SAVE_PREFIX}[{FLASH}]"
+    assert forward.attributes["func_name"].as_string() == f"{rng_replay.SAVE_PREFIX}[{FLASH}]"
     assert len(forward.outputs) == 4
     states = forward.outputs[2:]
     assert [s.dtype for s in states] == [ir.DataType.UINT8] * 2
     assert clone.attributes["training_mode"].as_int() == 1
-    assert clone.attributes["func_name"].as_string() == f"{recompute_pythonop.REPLAY_PREFIX}[{FLASH}]"
+    assert clone.attributes["func_name"].as_string() == f"{rng_replay.REPLAY_PREFIX}[{FLASH}]"
     assert list(clone.inputs[-2:]) == list(states)
     assert clone.attributes["input_convention"].as_string().endswith("dd")
     # The gradient reads the clone's ctx, not forward's (which holds nothing).
@@ -154,7 +153,7 @@ def test_without_the_replay_the_clone_would_draw_another_mask(training_graph, ba
     # generator state (the states ignored) changes the gradients.
     plan = _pythonop_plan(training_graph)
     model = _recompute(training_graph, plan)
-    _, replay = recompute_pythonop.rng_replay_functions(FLASH)
+    _, replay = rng_replay.rng_replay_functions(FLASH)
 
     def apply_ignoring_states(cls, *args):
         return cls.inner.apply(*args[:-2])
@@ -170,9 +169,9 @@ def test_without_the_replay_the_clone_would_draw_another_mask(training_graph, ba
 
 def test_register_rng_replay_functions_finds_the_derived_names(training_graph):
     model = _recompute(training_graph, _pythonop_plan(training_graph))
-    names = recompute_pythonop.register_rng_replay_functions(model)
+    names = rng_replay.register_rng_replay_functions(model)
     assert sorted(names) == sorted(
-        [f"{recompute_pythonop.SAVE_PREFIX}[{FLASH}]", f"{recompute_pythonop.REPLAY_PREFIX}[{FLASH}]"]
+        [f"{rng_replay.SAVE_PREFIX}[{FLASH}]", f"{rng_replay.REPLAY_PREFIX}[{FLASH}]"]
     )
     assert all(name in bridge.registered_functions() for name in names)
 

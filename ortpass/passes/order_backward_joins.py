@@ -1,14 +1,9 @@
 """Order the backward chains that meet at a node so that ONNX Runtime runs first the one that frees the most.
 
-ORT 1.19.2's default execution order is a post-order walk that, at each node, visits its
-inputs' producers from the highest node index down and finishes an input's whole
-subgraph before starting the next (measured with ORT's profiler; see
-``ortpass/passes/recompute.py``).  Where backward chains meet, the chain walked first runs
-while everything the later chains read is still alive.  In attention's backward the
-gradient of the q/k/v Split is a Concat of three chains: dV's reads the attention
-probabilities (the largest activation of the layer) and nothing else reads them, but ORT
-walks dK's and dQ's first, which compute the probabilities' gradient, the softmax
-gradient and the scores' gradient while the probabilities are still held.
+ORT's default order walks a join's input chains from the highest node index down
+(:mod:`ortpass.analysis.ort_order`), so the chain walked first runs while everything the
+later chains read is still alive; ``docs/design/ort-execution-order.md`` has the attention
+example and the measurement.
 
 Rule: at a backward node that reads values from two or more *exclusive chains* (the
 backward nodes that feed only that input: their outputs are read inside the chain or by
@@ -23,9 +18,6 @@ producers, and the walk takes it first.  A chain's outputs are read only inside 
 the join, so the graph stays topologically sorted, and no node changes: only the order.
 Sizes come from static shapes, or from the export's dims for symbolic ones; a join whose
 chains read a value of unknown size is left alone.
-
-Measured (benchmarks/recompute_memory.py, GPT decoder, hidden 256, batch 8 x 512, 8
-layers, after recompute level 1 and replay-dropout-mask): step peak 192 -> 188 MiB.
 """
 
 from __future__ import annotations
@@ -47,7 +39,7 @@ __all__ = ["OrderBackwardJoinsPass"]
 logger = logging.getLogger(__name__)
 
 
-class _Sizes:
+class _ValueBytes:
     """Bytes of a value: static shapes directly, symbolic ones at the export's dims."""
 
     def __init__(self, model: ir.Model) -> None:
@@ -60,7 +52,7 @@ class _Sizes:
         return self.known[value]
 
 
-class _Backward:
+class _BackwardNodes:
     """The backward nodes of a graph, read in one walk: the graph position of each (and of
     no other node) and the nodes that read its outputs.
 
@@ -87,7 +79,7 @@ class _Backward:
         return [node for node in self.position if sole_reader_of[node] >= 2]
 
 
-def exclusive_chain(value: ir.Value, join: ir.Node, backward: _Backward) -> list[ir.Node]:
+def exclusive_chain(value: ir.Value, join: ir.Node, backward: _BackwardNodes) -> list[ir.Node]:
     """The backward nodes whose outputs reach only ``join``'s input ``value``, in graph order.
 
     Nodes are taken consumers before producers (highest position first), so when a node
@@ -113,7 +105,7 @@ def exclusive_chain(value: ir.Value, join: ir.Node, backward: _Backward) -> list
     return sorted(chain, key=position.__getitem__)
 
 
-def freed_bytes(chain: list[ir.Node], sizes: _Sizes, position: dict[ir.Node, int], start: int) -> int | None:
+def freed_bytes(chain: list[ir.Node], sizes: _ValueBytes, position: dict[ir.Node, int], start: int) -> int | None:
     """Bytes of the values ``chain`` reads last: every other backward reader of them comes
     before ``start`` (the position of the join's first chain node) in graph order
     (``position``: the graph position of every backward node, and of no other)."""
@@ -154,9 +146,9 @@ class OrderBackwardJoinsPass(OrtPass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
-        sizes = _Sizes(model)
+        sizes = _ValueBytes(model)
         moves: list[tuple[ir.Node, list[ir.Node]]] = []
-        backward = _Backward(graph)
+        backward = _BackwardNodes(graph)
         for join in backward.joins():
             chain = self._chain_to_run_first(join, backward, sizes)
             if chain:
@@ -169,7 +161,7 @@ class OrderBackwardJoinsPass(OrtPass):
             _reorder(graph, backward.nodes, moves)
         return ir.passes.PassResult(model, modified=bool(moves))
 
-    def _chain_to_run_first(self, join: ir.Node, backward: _Backward, sizes: _Sizes) -> list[ir.Node] | None:
+    def _chain_to_run_first(self, join: ir.Node, backward: _BackwardNodes, sizes: _ValueBytes) -> list[ir.Node] | None:
         """The chain to move before ``join``, or None when ORT already walks the best one first."""
         position = backward.position
         values = list(dict.fromkeys(v for v in join.inputs if v is not None and v.producer() in position))

@@ -41,7 +41,7 @@ from ortpass.infra.base import OrtPass
 from ortpass.infra.options import NonNegativeInt, ProbeLevelOption, RecomputeLevel
 from ortpass.infra.registry import register_pass
 from ortpass.ops.dropout import is_dropout
-from ortpass.pythonop import recompute as recompute_pythonop
+from ortpass.pythonop import rng_replay
 
 __all__ = ["RECOMPUTE_SUFFIX", "RecomputePass"]
 
@@ -107,7 +107,7 @@ class RecomputePass(OrtPass):
             self.count("analysis reused")
         nodes = _nodes_to_clone(occurrences, report.positions)
         _check_dropouts_seeded(nodes)
-        recompute_pythonop.check_pythonops(nodes)
+        rng_replay.check_pythonops(nodes)
         if not nodes:
             if self.selection.level > 0:
                 _warn_nothing_layerwise(self.selection.level, report)
@@ -217,8 +217,8 @@ class _Cloner:
         clones: list[ir.Node] = []
         for node in nodes:
             inputs = [clone_of.get(v, v) if v is not None else None for v in node.inputs]
-            if recompute_pythonop.is_pythonop(node):
-                original, clone = recompute_pythonop.clone_with_rng_replay(self.model.graph, node, inputs, self)
+            if rng_replay.is_pythonop(node):
+                original, clone = rng_replay.clone_with_rng_replay(self.model.graph, node, inputs, self)
             else:
                 original, clone = node, self.new_clone(node, inputs)
             clones.append(clone)

@@ -37,6 +37,7 @@ import onnx_ir as ir
 
 from ortpass.conventions import MS_DOMAIN
 from ortpass.errors import UnregisteredFunctionError
+from ortpass.pythonop.registry import registered_functions
 
 __all__ = [
     "RNG_STATE_SUFFIXES",
@@ -80,29 +81,24 @@ def is_pythonop(node: ir.Node) -> bool:
     return node.domain == MS_DOMAIN and node.op_type == "PythonOp"
 
 
-def _func_name(node: ir.Node) -> str:
-    attr = node.attributes.get("func_name")
-    return attr.as_string() if attr is not None else ""
-
 
 def check_pythonops(nodes: Iterable[ir.Node]) -> None:
     """Refuse (before any change) PythonOps whose Function the bridge cannot run."""
     pythonops = [n for n in nodes if is_pythonop(n)]
     for node in pythonops:
-        if _DERIVED.match(_func_name(node)):
-            raise ir.passes.PreconditionError(f"PythonOp {node.name!r} is already recomputed ({_func_name(node)})")
+        func_name = node.attributes.get_string("func_name", "")
+        if _DERIVED.match(func_name):
+            raise ir.passes.PreconditionError(f"PythonOp {node.name!r} is already recomputed ({func_name})")
         if node.attributes.get("training_mode") is None or node.attributes["training_mode"].as_int() != 1:
             raise ir.passes.PreconditionError(f"PythonOp {node.name!r} is not in training mode; nothing to recompute")
-    if pythonops:
-        from ortpass.pythonop import bridge
-
-        known = bridge.registered_functions()
-        for node in pythonops:
-            if _func_name(node) not in known:
-                raise UnregisteredFunctionError(
-                    f"PythonOp {node.name!r} calls {_func_name(node)!r}, which is not registered with the torch "
-                    "bridge; register it (ortpass.pythonop.bridge.register_function) before recomputing it"
-                )
+    known = registered_functions() if pythonops else {}
+    for node in pythonops:
+        func_name = node.attributes.get_string("func_name", "")
+        if func_name not in known:
+            raise UnregisteredFunctionError(
+                f"PythonOp {node.name!r} calls {func_name!r}, which is not registered with the torch "
+                "bridge; register it (ortpass.pythonop.bridge.register_function) before recomputing it"
+            )
 
 
 def rng_replay_functions(func_name: str) -> tuple[type, type]:
@@ -130,10 +126,10 @@ def register_rng_replay_functions(model: ir.Model) -> list[str]:
     file in a new process; the inner Functions must be registered already)."""
     names = []
     for node in model.graph.all_nodes():
-        match = _DERIVED.match(_func_name(node)) if is_pythonop(node) else None
+        match = _DERIVED.match(node.attributes.get_string("func_name", "")) if is_pythonop(node) else None
         if match:
             rng_replay_functions(match.group("inner"))
-            names.append(_func_name(node))
+            names.append(node.attributes.get_string("func_name", ""))
     return names
 
 
@@ -192,18 +188,10 @@ def _define_base_classes() -> tuple[type, type]:
     return SaveRngState, ReplayRngState
 
 
-def _ints(node: ir.Node, name: str) -> list[int] | None:
-    attr = node.attributes.get(name)
-    return list(attr.as_ints()) if attr is not None else None
 
-
-def _with(attrs: dict[str, ir.Attr], name: str, value) -> None:
-    if isinstance(value, str):
-        attrs[name] = ir.AttrString(name, value)
-    elif isinstance(value, int):
-        attrs[name] = ir.AttrInt64(name, value)
-    else:
-        attrs[name] = ir.AttrInt64s(name, list(value))
+def _set(attrs: dict[str, ir.Attr], name: str, value) -> None:
+    """Set attribute ``name`` (a str, an int or a list of ints) in ``attrs``."""
+    attrs[name] = ir.convenience.convert_attribute(name, value)
 
 
 def clone_with_rng_replay(
@@ -211,7 +199,7 @@ def clone_with_rng_replay(
 ) -> tuple[ir.Node, ir.Node]:
     """Rewrite the forward PythonOp ``node`` to save the generator states, and create its
     clone replaying them.  Returns (the forward node now in the graph, the clone)."""
-    func_name = _func_name(node)
+    func_name = node.attributes.get_string("func_name", "")
     save, replay = rng_replay_functions(func_name)
     from ortpass.pythonop.export import qualified_name
 
@@ -220,11 +208,11 @@ def clone_with_rng_replay(
     _take_place(graph, node, forward)
 
     attrs = {a.name: a for a in node.attributes.values()}
-    _with(attrs, "func_name", qualified_name(replay))
-    _with(attrs, "input_convention", _string(node, "input_convention") + "d" * _STATE_COUNT)
-    _with(attrs, "input_tensor_types", (_ints(node, "input_tensor_types") or []) + [_UINT8] * _STATE_COUNT)
-    _with(attrs, "input_tensor_ranks", (_ints(node, "input_tensor_ranks") or []) + [1] * _STATE_COUNT)
-    _with(attrs, "input_requires_grads", (_ints(node, "input_requires_grads") or []) + [0] * _STATE_COUNT)
+    _set(attrs, "func_name", qualified_name(replay))
+    _set(attrs, "input_convention", node.attributes.get_string("input_convention", "") + "d" * _STATE_COUNT)
+    _set(attrs, "input_tensor_types", list(node.attributes.get_ints("input_tensor_types", ())) + [_UINT8] * _STATE_COUNT)
+    _set(attrs, "input_tensor_ranks", list(node.attributes.get_ints("input_tensor_ranks", ())) + [1] * _STATE_COUNT)
+    _set(attrs, "input_requires_grads", list(node.attributes.get_ints("input_requires_grads", ())) + [0] * _STATE_COUNT)
     states = list(forward.outputs[len(old_outputs) :])
     clone = cloner.new_clone(forward, [*inputs, *states], num_outputs=len(old_outputs), attributes=attrs.values())
     for user, _ in list(forward.outputs[0].uses()):
@@ -242,10 +230,10 @@ def _widen_gradient(graph: ir.Graph, grad: ir.Node, states: Sequence[ir.Value]) 
     arguments; their gradients come back as None and land on two unused outputs.
     """
     attrs = {a.name: a for a in grad.attributes.values()}
-    _with(attrs, "output_convention", _string(grad, "output_convention") + "d" * _STATE_COUNT)
-    _with(attrs, "output_tensor_types", (_ints(grad, "output_tensor_types") or []) + [_UINT8] * _STATE_COUNT)
-    _with(attrs, "output_tensor_ranks", (_ints(grad, "output_tensor_ranks") or []) + [1] * _STATE_COUNT)
-    _with(attrs, "output_tensor_requires_grads", (_ints(grad, "output_tensor_requires_grads") or []) + [0] * _STATE_COUNT)
+    _set(attrs, "output_convention", grad.attributes.get_string("output_convention", "") + "d" * _STATE_COUNT)
+    _set(attrs, "output_tensor_types", list(grad.attributes.get_ints("output_tensor_types", ())) + [_UINT8] * _STATE_COUNT)
+    _set(attrs, "output_tensor_ranks", list(grad.attributes.get_ints("output_tensor_ranks", ())) + [1] * _STATE_COUNT)
+    _set(attrs, "output_tensor_requires_grads", list(grad.attributes.get_ints("output_tensor_requires_grads", ())) + [0] * _STATE_COUNT)
     widened = _with_state_outputs(grad, attrs)
     _take_place(graph, grad, widened)
     for state, output in zip(states, widened.outputs[len(grad.outputs) :]):
@@ -280,20 +268,16 @@ def _take_place(graph: ir.Graph, old: ir.Node, new: ir.Node) -> None:
         after.name = name
 
 
-def _string(node: ir.Node, name: str) -> str:
-    attr = node.attributes.get(name)
-    return attr.as_string() if attr is not None else ""
-
 
 def _saving_forward(node: ir.Node, save_name: str, cloner: Cloner) -> ir.Node:
     attrs = {a.name: a for a in node.attributes.values()}
-    _with(attrs, "func_name", save_name)
-    _with(attrs, "training_mode", 0)
-    _with(attrs, "output_tensor_types", (_ints(node, "output_tensor_types") or []) + [_UINT8] * _STATE_COUNT)
-    _with(attrs, "output_tensor_ranks", (_ints(node, "output_tensor_ranks") or []) + [1] * _STATE_COUNT)
-    requires = _ints(node, "output_tensor_requires_grads")
+    _set(attrs, "func_name", save_name)
+    _set(attrs, "training_mode", 0)
+    _set(attrs, "output_tensor_types", list(node.attributes.get_ints("output_tensor_types", ())) + [_UINT8] * _STATE_COUNT)
+    _set(attrs, "output_tensor_ranks", list(node.attributes.get_ints("output_tensor_ranks", ())) + [1] * _STATE_COUNT)
+    requires = node.attributes.get_ints("output_tensor_requires_grads")
     if requires is not None:
-        _with(attrs, "output_tensor_requires_grads", requires + [0] * _STATE_COUNT)
+        _set(attrs, "output_tensor_requires_grads", [*requires, *[0] * _STATE_COUNT])
     forward = _with_state_outputs(node, attrs)
     first = node.outputs[1].name if len(node.outputs) > 1 and node.outputs[1].name else node.name
     for suffix, state in zip(RNG_STATE_SUFFIXES, forward.outputs[len(node.outputs) :]):
