@@ -505,3 +505,69 @@ def test_recompute_reuses_the_analysis_fix_dropout_seed_ran(decoder_graph, monke
     # Alone, each pass analyses the graph itself.
     FixDropoutSeedPass(level=1, min_elements=0)(ir.from_proto(ir.to_proto(decoder_graph)))
     assert len(calls) == 2
+
+
+def frozen_projection_training_graph() -> ir.Model:
+    """A frozen linear layer on a recomputed activation, as a LoRA base is exported:
+    a = Gelu(x); v = Reshape(a) (the 2-D view the projection reads); g = MatMul(v, w) with
+    ``w`` frozen; y = g * w2.  Backward reads ``a`` (``w2``-side gradient) and ``g`` only
+    for its shape (a Reshape gradient's ``Shape``), as ORT's builder does for a frozen base.
+
+    Applying ``Gelu+`` and ``MatMul+`` together, the MatMul clone must read the view of the
+    *recomputed* ``a``: reading the forward view keeps the forward ``a`` alive through
+    backward, and the Gelu recompute would free nothing.
+    """
+    nodes = [
+        ("forward", oh.make_node("Gelu", ["x"], ["a"], name="gelu")),
+        ("forward", oh.make_node("Reshape", ["a", "flat"], ["v"], name="view")),
+        ("forward", oh.make_node("MatMul", ["v", "w"], ["g"], name="proj")),
+        ("forward", oh.make_node("Mul", ["g", "w2"], ["y"], name="mul2")),
+        ("forward", oh.make_node("ReduceSum", ["y"], ["loss"], name="sum", keepdims=0)),
+        ("backward", oh.make_node("Mul", ["a", "x"], ["x_grad"], name="x_grad_mul")),
+        ("backward", oh.make_node("Shape", ["g"], ["g_shape"], name="g_shape")),
+    ]
+    graph = oh.make_graph(
+        [n for _, n in nodes],
+        "frozen_projection",
+        [oh.make_tensor_value_info("x", F, [2, 4, 8]), oh.make_tensor_value_info("w2", F, [8, 8])],
+        [oh.make_tensor_value_info("loss", F, []), oh.make_tensor_value_info("x_grad", F, [2, 4, 8]),
+         oh.make_tensor_value_info("g_shape", onnx.TensorProto.INT64, [2])],
+        initializer=[onnx.numpy_helper.from_array(np.array([8, 8], dtype=np.int64), "flat"),
+                     onnx.numpy_helper.from_array(np.linspace(-1, 1, 64, dtype=np.float32).reshape(8, 8), "w")],
+    )  # fmt: skip
+    proto = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 20)], ir_version=8)
+    model = ir.from_proto(onnx.shape_inference.infer_shapes(proto))
+    for (side, _), node in zip(nodes, model.graph):
+        tag(node, side)
+    set_training_info(model, TrainingInfo("loss", ("x",), {"x": "x_grad"}))
+    return model
+
+
+def _run_on_ort(model: ir.Model, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    import onnxruntime
+
+    session = onnxruntime.InferenceSession(ir.to_proto(model).SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)
+
+
+def test_a_clone_reads_the_view_of_a_recomputed_value_not_the_forward_one():
+    model = frozen_projection_training_graph()
+    feeds = {"x": np.linspace(-2, 2, 64, dtype=np.float32).reshape(2, 4, 8), "w2": np.ones((8, 8), np.float32)}
+    expected = _run_on_ort(model, feeds)
+    RecomputePass("Gelu+:1:-1,MatMul+:1:-1", min_elements=0)(model)
+    proj_clone, view_clone = _node(model, "proj_recompute"), _node(model, "view_recompute")
+    assert proj_clone.inputs[0] is view_clone.outputs[0]
+    assert view_clone.inputs[0] is _node(model, "gelu_recompute").outputs[0]
+    # The forward a and its view are read by forward nodes only now: they die after forward.
+    forward_a = _node(model, "gelu").outputs[0]
+    assert {user.name for user, _ in forward_a.uses()} == {"view"}
+    onnx.checker.check_model(ir.to_proto(model))
+    for got, want in zip(_run_on_ort(model, feeds), expected):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_a_view_of_a_value_not_recomputed_is_read_as_it_is():
+    model = frozen_projection_training_graph()
+    RecomputePass("MatMul+:1:-1", min_elements=0)(model)
+    assert _node(model, "proj_recompute").inputs[0] is _node(model, "view").outputs[0]
+    assert not any(n.name == "view_recompute" for n in model.graph)

@@ -20,6 +20,7 @@ from typing import Iterable, Sequence
 
 import onnx_ir as ir
 
+from ortpass.analysis.memory import is_alias_node
 from ortpass.analysis.ort_order import order_gradient_leaves
 from ortpass.analysis.partition import is_backward
 from ortpass.analysis.plans import PlanSpec
@@ -181,9 +182,31 @@ def _warn_nothing_layerwise(level: int, report: RecomputeReport) -> None:
 
 def _nodes_to_clone(occurrences: Iterable[Occurrence], positions: dict[ir.Node, int]) -> list[ir.Node]:
     """The union of the occurrences' subgraphs, in graph (topological) order (``positions``:
-    the analysis's, of the graph as it is now)."""
+    the analysis's, of the graph as it is now), with the views joining them.
+
+    Rule: where a cloned node reads a view (Reshape, Squeeze, ...) of a value another
+    occurrence recomputes, the view is cloned too, so the clone reads the recomputed buffer;
+    reading the forward view would keep the forward buffer alive through backward and undo
+    that occurrence's saving (a frozen linear layer's recomputed Gemm reading the forward
+    view of a recomputed Gelu output).
+    """
     wanted = {node for occ in occurrences for node in occ.nodes}
+    for node in sorted(wanted, key=positions.__getitem__, reverse=True):  # consumers first
+        wanted.update(_views_of_cloned(node, wanted))
     return sorted(wanted, key=positions.__getitem__)
+
+
+def _views_of_cloned(node: ir.Node, cloned: set[ir.Node]) -> list[ir.Node]:
+    """The chains of view nodes between ``node``'s inputs and a node in ``cloned``."""
+    found = []
+    for value in node.inputs:
+        chain, producer = [], value.producer() if value is not None else None
+        while producer is not None and producer not in cloned and not is_backward(producer) and is_alias_node(producer):
+            chain.append(producer)
+            producer = producer.inputs[0].producer()
+        if chain and producer in cloned:
+            found.extend(chain)
+    return found
 
 
 def _check_dropouts_seeded(nodes: Iterable[ir.Node]) -> None:
