@@ -138,7 +138,7 @@ def child_torch(work: Path, family: str, seq: int, key: str, steps: int) -> dict
     return result
 
 
-def run(families: list[str], seq: int, steps: int) -> dict:
+def run(families: list[str], seq: int, steps: int, only: list[str] | None = None) -> dict:
     results: dict = {
         "model": {"layers": LAYERS, "hidden": HIDDEN, "heads": HEADS, "vocab": VOCAB, "batch": BATCH, "seq": seq,
                   "llama_mlp": LLAMA_MLP},
@@ -152,9 +152,12 @@ def run(families: list[str], seq: int, steps: int) -> dict:
             work = Path(tmp)
             print(f"[{family}] preparing graphs", flush=True)
             entry = {"prepare": _child("prepare", str(work), family, str(seq))}
-            entry["ort_cpp_plans"] = _child("ort-plans", str(work))
+            if not only or "ort_cpp_l1" in only:
+                entry["ort_cpp_plans"] = _child("ort-plans", str(work))
             entry["configs"] = {}
             for key, label, kind in CONFIGS:
+                if only and key not in only:
+                    continue
                 print(f"[{family}] {label}", flush=True)
                 if kind == "ort-cpp":
                     measured = _child("ort-cpp", str(work), str(steps), str(int(key == "ort_cpp_l1")))
@@ -246,8 +249,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--models", nargs="+", default=["gpt2", "llama"], choices=["gpt2", "llama"])
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--only", nargs="+", choices=[key for key, _, _ in CONFIGS],
+                        help="run these configurations only; prints them and records nothing")
     args = parser.parse_args(argv)
-    results = run(args.models, args.seq, args.steps)
+    results = run(args.models, args.seq, args.steps, args.only)
+    if args.only:
+        return
     stem = "hf_memory" if args.seq == 512 else f"hf_memory_seq{args.seq}"
     rm.record(HERE / stem, results, markdown(results))
 

@@ -384,7 +384,7 @@ def _run_child(*args: str, script: str = __file__) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def run(layers_list: list[int], steps: int) -> dict:
+def run(layers_list: list[int], steps: int, only: list[str] | None = None) -> dict:
     results: dict = {
         "model": {"vocab": VOCAB, "hidden": HIDDEN, "heads": HEADS, "seq": SEQ, "batch": BATCH, "dropout": DROPOUT},
         "cpus": os.cpu_count(),
@@ -398,9 +398,12 @@ def run(layers_list: list[int], steps: int) -> dict:
             work = Path(tmp)
             print(f"[{layers} layers] preparing graphs", flush=True)
             entry = {"prepare": _run_child("prepare", str(work), str(layers))}
-            entry["ort_cpp_plans"] = _run_child("ort-plans", str(work))
+            if not only or "ort_cpp_l1" in only:
+                entry["ort_cpp_plans"] = _run_child("ort-plans", str(work))
             entry["configs"] = {}
             for key, label, kind in CONFIGS:
+                if only and key not in only:
+                    continue
                 print(f"[{layers} layers] {label}", flush=True)
                 if key.startswith("ort_cpp"):
                     measured = _run_child("ort-cpp", str(work), str(steps), str(int(key == "ort_cpp_l1")))
@@ -510,8 +513,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[4])
     parser.add_argument("--steps", type=int, default=7)
+    parser.add_argument("--only", nargs="+", choices=[key for key, _, _ in CONFIGS],
+                        help="run these configurations only; prints them and records nothing")
     args = parser.parse_args(argv)
-    results = run(args.layers, args.steps)
+    results = run(args.layers, args.steps, args.only)
+    if args.only:
+        return
     record(HERE / "recompute_memory", results, markdown(results))
 
 

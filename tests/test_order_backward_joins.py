@@ -116,6 +116,119 @@ def test_the_manager_runs_it_after_recompute_and_replay():
     ]
 
 
+def gradient_join_graph(*, gradient_last: bool = False, reads_loss_gradient: bool = True) -> ir.Model:
+    """Backward ``join = Mul(gneg, rr)``: ``gneg = Neg(Mul(loss_grad, w))`` carries the loss's
+    gradient, ``rr = Mul(r, r)`` with ``r = Tanh(x)`` recomputes an activation.  Graph
+    order puts the recomputation last (ORT walks it first) unless ``gradient_last``."""
+    seed = "loss_grad" if reads_loss_gradient else "w"
+    gradient = [("backward", oh.make_node("Mul", [seed, "w"], ["g"], name="g")),
+                ("backward", oh.make_node("Neg", ["g"], ["gneg"], name="gneg"))]
+    recompute = [("backward", oh.make_node("Tanh", ["x"], ["r"], name="r")),
+                 ("backward", oh.make_node("Mul", ["r", "r"], ["rr"], name="rr"))]
+    nodes = [
+        ("forward", oh.make_node("Tanh", ["x"], ["big"], name="tanh")),
+        ("forward", oh.make_node("Mul", ["big", "w"], ["y"], name="mul")),
+        ("forward", oh.make_node("ReduceSum", ["y"], ["loss"], name="sum", keepdims=0)),
+        *(recompute + gradient if gradient_last else gradient + recompute),
+        ("backward", oh.make_node("Mul", ["gneg", "rr"], ["w_grad"], name="join")),
+    ]
+    rng = np.random.default_rng(1)
+    graph = oh.make_graph(
+        [n for _, n in nodes],
+        "gradient_join",
+        [oh.make_tensor_value_info("x", F, SHAPE), oh.make_tensor_value_info("w", F, SHAPE)],
+        [oh.make_tensor_value_info("loss", F, []), oh.make_tensor_value_info("w_grad", F, SHAPE)],
+        initializer=[onnx.numpy_helper.from_array(rng.standard_normal(SHAPE, dtype=np.float32), "w"),
+                     onnx.numpy_helper.from_array(np.array(1.0, np.float32), "loss_grad")],
+        value_info=[oh.make_tensor_value_info(v, F, SHAPE) for v in ("big", "y", "g", "gneg", "r", "rr")],
+    )
+    proto = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)], ir_version=8)
+    return as_training_graph(proto, [side for side, _ in nodes], TrainingInfo("loss", ("w",), {"w": "w_grad"}))
+
+
+def test_the_gradient_chain_moves_before_a_recomputation_ort_would_walk_first(tmp_path):
+    model = gradient_join_graph()
+    feeds = {"x": np.random.default_rng(0).standard_normal(SHAPE, dtype=np.float32)}
+    before = ort_execution_order(model, feeds, tmp_path)
+    assert before.index("r") < before.index("g")  # the recomputation runs before the gradient exists
+    expected = TrainingSession(model).run(feeds)
+    pass_ = OrderBackwardJoinsPass()
+    assert pass_(model).modified
+    assert _order(model) == ["tanh", "mul", "sum", "r", "rr", "g", "gneg", "join"]
+    assert dict(pass_.stats["counts"]) == {"gradients walked first": 1, "joins reordered": 1, "nodes moved": 2}
+    after = ort_execution_order(model, feeds, tmp_path)
+    assert after.index("gneg") < after.index("r")
+    got = TrainingSession(model).run(feeds)
+    assert got.loss == expected.loss
+    np.testing.assert_array_equal(got.gradients["w"], expected.gradients["w"])
+
+
+@pytest.mark.parametrize(
+    "options, reason",
+    [({"gradient_last": True}, "ORT walks the gradient's chain first already"),
+     ({"reads_loss_gradient": False}, "no chain carries the loss's gradient, and neither frees more")],
+)
+def test_the_gradient_rule_does_not_fire(options, reason):
+    model = gradient_join_graph(**options)
+    before = ir.to_proto(model).SerializeToString()
+    assert not OrderBackwardJoinsPass()(model).modified, reason
+    assert ir.to_proto(model).SerializeToString() == before
+
+
+def _lora_gpt2(frozen: bool) -> torch.nn.Module:
+    """Tiny HF GPT-2 with rank-2 adapters ``base(x) + x A B`` on every projection."""
+    transformers = pytest.importorskip("transformers")
+
+    class Adapter(torch.nn.Module):
+        def __init__(self, base):
+            super().__init__()
+            self.base = base
+            self.a = torch.nn.Parameter(torch.randn(base.weight.shape[0], 2) * 0.02)
+            self.b = torch.nn.Parameter(torch.randn(2, base.weight.shape[1]) * 0.02)
+
+        def forward(self, x):
+            return self.base(x) + x @ self.a @ self.b
+
+    class LossOnly(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, labels):
+            return self.model(input_ids=input_ids, labels=labels, use_cache=False).loss
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=16,
+                                     bos_token_id=0, eos_token_id=0)  # fmt: skip
+    gpt2 = transformers.GPT2LMHeadModel(config)
+    for block in gpt2.transformer.h:
+        for owner, name in ((block.attn, "c_attn"), (block.attn, "c_proj"), (block.mlp, "c_fc"), (block.mlp, "c_proj")):
+            setattr(owner, name, Adapter(getattr(owner, name)))
+    model = LossOnly(gpt2).train()
+    for name, p in model.named_parameters():
+        p.requires_grad_(not frozen or name.endswith((".a", ".b")))
+    return model
+
+
+def test_with_a_frozen_base_ort_computes_the_loss_before_any_recomputation(tmp_path):
+    """With only the adapters trainable, the first gradient ORT walks reads a recomputed
+    ``x A``: without the rule the last layer was recomputed before the loss existed."""
+    from ortpass.passes import DEFAULT_PIPELINE
+
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    names = ["input_ids", "labels"]
+    dynamic = {n: {0: f"{n}_dim0", 1: f"{n}_dim1"} for n in names}
+    forward = export(_lora_gpt2(frozen=True), (ids, ids.roll(-1, 1)), input_names=names, dynamic_axes=dynamic)
+    pipeline = DEFAULT_PIPELINE.replace("recompute(level=1)", "recompute(level=1,min_elements=0)").replace(
+        "fix-dropout-seed(level=1)", "fix-dropout-seed(level=1,min_elements=0)")
+    result = ortpass.pipeline(pipeline)(forward)
+    assert result.report["order-backward-joins"].stats["counts"]["gradients walked first"] >= 1
+    order = ort_execution_order(result.model, {"input_ids": ids.numpy(), "labels": ids.roll(-1, 1).numpy()}, tmp_path)
+    loss = next(i for i, name in enumerate(order) if name.endswith("SoftmaxCrossEntropyLoss"))
+    recomputed = [i for i, name in enumerate(order) if "_recompute" in name]
+    assert recomputed and loss < min(recomputed)
+
+
 @pytest.fixture(scope="module")
 def decoder_graph() -> ir.Model:
     torch.manual_seed(0)

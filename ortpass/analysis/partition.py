@@ -42,6 +42,12 @@ class TrainingInfo:
     params: tuple[str, ...]
     gradients: dict[str, str]  # parameter name -> gradient output name
 
+    @property
+    def loss_gradient(self) -> str:
+        """The value backward starts from: ORT 1.19.2's gradient builder names the loss's
+        gradient ``<loss>_grad`` (an initializer of ones)."""
+        return f"{self.loss}_grad"
+
     def to_json(self) -> str:
         return json.dumps({"loss": self.loss, "params": list(self.params), "gradients": self.gradients})
 
