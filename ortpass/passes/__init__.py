@@ -2,6 +2,7 @@
 
 from ortpass.conventions import CREATED_BY_KEY
 from ortpass.infra.base import OrtFunctionalPass, OrtPass
+from ortpass.passes.accumulate_gradients_early import AccumulateGradientsEarlyPass
 from ortpass.passes.build_training_graph import BuildTrainingGraphPass
 from ortpass.passes.fix_dropout_seed import FixDropoutSeedPass
 from ortpass.passes.insert_gather_before_sce_loss import InsertGatherBeforeSceLossPass
@@ -10,7 +11,7 @@ from ortpass.passes.pythonop_shape_inference import PythonOpShapeInferencePass
 from ortpass.passes.recompute import RecomputePass
 from ortpass.passes.replay_dropout_mask import ReplayDropoutMaskPass
 
-__all__ = ["CREATED_BY_KEY", "DEFAULT_PIPELINE", "BuildTrainingGraphPass", "FixDropoutSeedPass", "InsertGatherBeforeSceLossPass", "OrderBackwardJoinsPass", "OrtFunctionalPass", "OrtPass", "PythonOpShapeInferencePass", "RecomputePass", "ReplayDropoutMaskPass"]
+__all__ = ["CREATED_BY_KEY", "DEFAULT_PIPELINE", "AccumulateGradientsEarlyPass", "BuildTrainingGraphPass", "FixDropoutSeedPass", "InsertGatherBeforeSceLossPass", "OrderBackwardJoinsPass", "OrtFunctionalPass", "OrtPass", "PythonOpShapeInferencePass", "RecomputePass", "ReplayDropoutMaskPass"]
 
 #: What ``ortpass optimize``, ``ortpass.ORTModule`` and the golden suite run without ``--pipeline``: every built-in pass (the manager
 #: orders them from their declarations), recompute at ORTModule's layer-wise level 1 with
@@ -19,5 +20,5 @@ __all__ = ["CREATED_BY_KEY", "DEFAULT_PIPELINE", "BuildTrainingGraphPass", "FixD
 #: (faster on CPU at every flagged density; benchmarks/sce_gather.py).
 DEFAULT_PIPELINE = (
     "pythonop-shape-inference,insert-gather-before-sce-loss(move_above_projection=True),build-training-graph,"
-    "fix-dropout-seed(level=1),recompute(level=1),replay-dropout-mask,order-backward-joins"
+    "accumulate-gradients-early,fix-dropout-seed(level=1),recompute(level=1),replay-dropout-mask,order-backward-joins"
 )
