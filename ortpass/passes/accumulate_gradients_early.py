@@ -112,25 +112,26 @@ class AccumulateGradientsEarlyPass(OrtPass):
             outside = [v for n in chain for v in n.inputs if v is not None and v.producer() not in chain]
             if not chain or not outside:
                 return False
-            parts.append((part, chain, max(outside, key=positions.produced)))
-        parts.sort(key=lambda item: positions.produced(item[2]))
+            parts.append((part, chain, outside))
+        parts.sort(key=lambda item: max(map(positions.produced, item[2])))
         modified = False
-        for part, chain, last_read in parts[:-1]:
-            modified |= self._give_reader(graph, accumulate, part, chain, last_read)
+        for part, chain, outside in parts[:-1]:
+            modified |= self._give_reader(graph, accumulate, part, chain, outside)
         return modified
 
     def _give_reader(self, graph: ir.Graph, accumulate: ir.Node, part: ir.Value, chain: list[ir.Node],
-                     last_read: ir.Value) -> bool:  # fmt: skip
+                     outside: list[ir.Value]) -> bool:  # fmt: skip
+        """``outside``: the values ``chain`` reads from outside it."""
         positions = _Positions(graph)  # afresh: the part before this one moved nodes
+        last_read = max(outside, key=positions.produced)
         others = [n for n in _readers(last_read) if n not in chain and is_backward(n) and n.outputs]
         if not others:
             return False
         anchor = min(others, key=positions.of.__getitem__)
         target = anchor.outputs[0]
-        chain_inputs = [v for n in chain for v in n.inputs if v is not None and v.producer() not in chain]
         if target.is_graph_output() or target.dtype != part.dtype or part.dtype is None:
             return False
-        if any(positions.produced(v) > positions.of[anchor] for v in chain_inputs):
+        if positions.produced(last_read) > positions.of[anchor]:
             return False
         if positions.of[anchor] > positions.of[accumulate]:
             return False
@@ -138,20 +139,16 @@ class AccumulateGradientsEarlyPass(OrtPass):
             [n.name for n in graph if n.name] + [v.name for n in graph for v in n.outputs if v.name]
             + [v.name for v in graph.inputs] + list(graph.initializers)
         )  # fmt: skip
-        summed = ir.node("ReduceSum", [part], {"keepdims": 0}, name=names.fresh(f"{part.name}_early"))
-        never = ir.node(
-            "Constant", [], {"value": ir.tensor(np.array(False))}, name=names.fresh(f"{part.name}_never")
-        )
-        readers = _readers(target)
+        uses = list(target.uses())
+        summed = ir.node("ReduceSum", [part], {"keepdims": 0}, name=names.fresh(f"{part.name}_sum"))
+        never = ir.node("Constant", [], {"value": ir.tensor(np.array(False))}, name=names.fresh(f"{part.name}_never"))
         where = ir.node("Where", [never.outputs[0], summed.outputs[0], target], name=names.fresh(f"{target.name}_after_part"))
-        for node, suffix in ((summed, "sum"), (never, "false"), (where, "")):
-            node.outputs[0].name = names.fresh(f"{target.name}_after_part" if not suffix else f"{part.name}_{suffix}")
+        for node in (summed, never, where):
+            node.outputs[0].name = names.fresh(f"{node.name}_output")
             tag(node, "backward")
         where.outputs[0].dtype, where.outputs[0].shape = target.dtype, target.shape
-        for reader in readers:
-            for index, value in enumerate(reader.inputs):
-                if value is target:
-                    reader.replace_input_with(index, where.outputs[0])
+        for reader, index in uses:
+            reader.replace_input_with(index, where.outputs[0])
         ordered_chain = sorted(chain, key=positions.of.__getitem__)
         graph.remove(ordered_chain)
         graph.insert_after(anchor, [*ordered_chain, summed, never, where])
