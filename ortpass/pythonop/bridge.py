@@ -270,8 +270,26 @@ def _read_objects(address: int) -> list[Any]:
     return [ctypes.cast(p, ctypes.py_object).value if p else None for p in pointers]
 
 
-_libc = ctypes.CDLL(None)
-_operator_new = _libc._Znwm  # operator new(std::size_t), what std::allocator frees with delete
+def _find_operator_new() -> Any:
+    """``operator new(std::size_t)``, which ORT's ``std::allocator`` frees with ``delete``.
+
+    The process's global scope first: an allocator preloaded there (jemalloc, tcmalloc)
+    interposes ORT's ``delete`` too.  Its C++ runtime is not always there: torch 2.14's
+    CUDA wheel loads libstdc++ with local binding only, so then the library ORT's own
+    module names (``libstdc++.so.6``, already loaded; dlopen returns the same handle).
+    """
+    for name in (None, "libstdc++.so.6"):
+        try:
+            return ctypes.CDLL(name)._Znwm
+        except (OSError, AttributeError):
+            continue
+    raise RuntimeError(
+        "the PythonOp bridge found no C++ operator new (_Znwm) in this process or in libstdc++.so.6; "
+        "it needs the GNU C++ runtime ONNX Runtime is built against"
+    )
+
+
+_operator_new = _find_operator_new()
 _operator_new.restype = ctypes.c_void_p
 _operator_new.argtypes = [ctypes.c_size_t]
 _incref = ctypes.pythonapi.Py_IncRef
