@@ -377,6 +377,56 @@ def test_small_static_tensors_are_below_the_default_floor():
     assert [p.plan_string for p in find_recompute_candidates(big).plans] == ["Gelu+:1:-1"]
 
 
+def rotary_like_model(neg_reads_new_value=False):
+    """``out = ConcatTraining(-q2, q1) + q`` with ``q1, q2`` the halves of ``q`` (Slice): a
+    rotary embedding's shape.  ``q`` and ``out`` are 1Mi elements, the halves 512Ki, under
+    the default floor.  ``neg_reads_new_value``: ``-q2`` is ``Neg(Exp(x2))`` instead, from a
+    small graph input through a value nothing keeps alive."""
+    consts = [oh.make_tensor(name, I64, [1], [v]) for name, v in (("s0", 0), ("s1", 512), ("s2", 1024), ("ax", 1))]
+    second_half = (
+        [oh.make_node("Exp", ["x2"], ["e"], name="exp"), oh.make_node("Neg", ["e"], ["n"], name="neg")]
+        if neg_reads_new_value
+        else [oh.make_node("Slice", ["q", "s1", "s2", "ax"], ["q2"], name="slice2"),
+              oh.make_node("Neg", ["q2"], ["n"], name="neg")]
+    )  # fmt: skip
+    forward = [
+        oh.make_node("Gelu", ["x"], ["q"], name="gelu", domain="com.microsoft"),
+        oh.make_node("Slice", ["q", "s0", "s1", "ax"], ["q1"], name="slice1"),
+        *second_half,
+        oh.make_node("ConcatTraining", ["n", "q1"], ["r"], name="concat", axis=1, domain="com.microsoft"),
+        oh.make_node("Add", ["r", "q"], ["out"], name="add"),
+    ]
+    half, full = [1024, 512], [1024, 1024]
+    return training_graph(
+        forward,
+        [bw("g", "out")],
+        [_vi("x", F32, full), _vi("x2", F32, half)],
+        [_vi("q", F32, full), _vi("q1", F32, half), _vi("q2", F32, half), _vi("e", F32, half),
+         _vi("n", F32, half), _vi("r", F32, full), _vi("out", F32, full)],
+        consts,
+    )
+
+
+def test_small_values_read_straight_off_the_subgraph_are_recomputed_not_kept():
+    # The floor would keep a half and the other's negation (2 x 2 MiB, as much as the 4 MiB
+    # freed: the candidate was skipped); their producers read only what the subgraph
+    # computes, so they join it and nothing is kept.
+    report = find_recompute_candidates(rotary_like_model())
+    (occ,) = report.plans[0].occurrences
+    assert {n.name for n in occ.nodes} == {"gelu", "slice1", "slice2", "neg", "concat", "add"}
+    assert occ.kept == ()
+    assert "q1" not in {v.name for v in occ.boundary}
+    assert report.plans[0].saving_bytes == 1024 * 1024 * 4
+
+
+def test_a_small_value_whose_producer_reads_a_new_value_stays_kept():
+    report = find_recompute_candidates(rotary_like_model(neg_reads_new_value=True))
+    (occ,) = report.plans[0].occurrences
+    assert "neg" not in {n.name for n in occ.nodes} and "exp" not in {n.name for n in occ.nodes}
+    assert [v.name for v in occ.kept] == ["n"]
+    assert report.plans[0].saving_bytes == 1024 * 1024 * 4 - 1024 * 512 * 4
+
+
 def test_subgraph_node_limit():
     forward = [oh.make_node("Add", ["x", "x"], ["a0"], name="add0")]
     infos = [_vi("a0", F32, ["batch", 64])]

@@ -22,6 +22,7 @@ from ortpass.analysis.recomputable_ops import (
     recomputable_function_of,
 )
 from ortpass.analysis.recompute.cost import ValueSizes, is_constant
+from ortpass.analysis.recompute.small_values import absorb_free_small_values
 from ortpass.analysis.recompute.result import (
     Occurrence,
     SkippedCandidate,
@@ -212,6 +213,8 @@ class CandidateSearch:
                 members.add(producer)
                 nodes.append(producer)
                 queue.append(producer)
+        if kept:
+            absorb_free_small_values(self, outputs, nodes, members, boundary, kept)
         nodes.sort(key=self.positions.__getitem__)
         return _Growth(nodes, boundary, kept, compromised)
 
