@@ -106,6 +106,10 @@ def child_prepare(work: Path, family: str, seq: int) -> dict:
     ir.save(training, work / "ort.onnx")
     info["nodes"]["ort"] = len(training.graph)
     rm._save_ort_module_graph(training, work)
+    # ORTModule's default, fused_attention="auto", fuses the attention calls without dropout:
+    # the run records which of the two rows below that default is for this model.
+    auto = export(_loss_module(model), args, input_names=list(batch), fused_attention="auto")
+    info["auto_fuses"] = any(node.op_type == "PythonOp" for node in auto.graph)
     for key, fused in (("ortpass", False), ("ortpass_fused", True)):
         source = forward if not fused else export(_loss_module(model), args, input_names=list(batch), fused_attention=True)
         result = ortpass.pipeline(DEFAULT_PIPELINE)(source)
@@ -202,6 +206,9 @@ def markdown(results: dict) -> str:
     lines.append("")
     for family in families:
         entry = results["families"][family]
+        default = "ortpass_fused" if entry["prepare"].get("auto_fuses") else "ortpass"
+        lines.append(f"{family}: ORTModule's default (fused_attention='auto') is the row "
+                     f"\"{entry['configs'][default]['label']}\".")
         lines += _goal(family, entry["configs"])
         for key, counts in entry["prepare"]["recompute"].items():
             lines.append(f"{family} {key}: recompute {dict(counts)}")

@@ -119,3 +119,6 @@ def test_hf_memory_measures_every_configuration_on_a_tiny_gpt2(monkeypatch):
     table = hf_memory.markdown(results)
     assert table.count("| ortpass default pipeline, fused attention |") == 1
     assert "gpt2, ortpass default pipeline: goal" in table
+    # GPT-2's attention dropout (0.1) keeps ORTModule's "auto" default on the plain row.
+    assert results["families"]["gpt2"]["prepare"]["auto_fuses"] is False
+    assert "gpt2: ORTModule's default (fused_attention='auto') is the row \"ortpass default pipeline\"." in table

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
@@ -210,6 +211,28 @@ def test_gpt2_with_attention_dropout_matches_torch_with_recompute(gpt2):
         expected = param.grad.numpy()
         assert step.gradients[name].shape == expected.shape
         np.testing.assert_allclose(step.gradients[name], expected, rtol=0, atol=1e-5 * max(np.abs(expected).max(), 1e-3))
+
+
+def test_auto_fuses_only_the_attention_calls_without_dropout(gpt2):
+    """``fused_attention="auto"`` (ORTModule's default): GPT-2's attention dropout 0.1
+    keeps the decomposition; the same model with attention dropout 0 gets the PythonOps."""
+    module = _Loss(gpt2)
+    ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
+    batch = (ids, torch.ones_like(ids), ids)
+    names = ["input_ids", "attention_mask", "labels"]
+    assert _pythonops(export(module, batch, input_names=names, fused_attention="auto")) == []
+    assert len(_pythonops(export(module, batch, input_names=names, fused_attention=True))) == 2
+    without = copy.deepcopy(gpt2)
+    for block in without.transformer.h:
+        block.attn.attn_dropout.p = 0.0  # what GPT2Attention passes to SDPA as dropout_p
+    fused = export(_Loss(without), batch, input_names=names, fused_attention="auto")
+    assert len(_pythonops(fused)) == 2
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_a_bad_fused_attention_value_is_refused_by_name(gpt2, value):
+    with pytest.raises(ortpass.errors.ExportError, match="fused_attention must be True, False or 'auto'"):
+        export(_Loss(gpt2), (torch.zeros(1, 4, dtype=torch.long),) * 3, fused_attention=value)
 
 
 def test_a_fresh_process_runs_fused_attention_without_registering_anything(tmp_path, gpt2):

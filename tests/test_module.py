@@ -103,8 +103,9 @@ def test_fifty_adamw_steps_match_torch_eager(kind):
 
 
 def test_fused_attention_trains_like_torch_eager(monkeypatch):
-    """ORTModule(fused_attention=True): the attention runs as torch's SDPA kernel inside the
-    graph; ten AdamW steps on tiny LLaMA (grouped-query attention) follow torch eager."""
+    """ORTModule's default, fused_attention="auto": LLaMA's attention has no dropout, so it
+    runs as torch's SDPA kernel inside the graph; ten AdamW steps on tiny LLaMA
+    (grouped-query attention) follow torch eager."""
     import ortpass.export
 
     exported = []
@@ -116,8 +117,13 @@ def test_fused_attention_trains_like_torch_eager(monkeypatch):
         return model
 
     monkeypatch.setattr(ortpass.export, "export", spying_export)
-    _train_alongside_torch(_hf_model("llama"), "llama", 10, fused_attention=True)
+    _train_alongside_torch(_hf_model("llama"), "llama", 10)
     assert exported == [2]  # one export, one attention PythonOp per layer
+
+
+def test_a_bad_fused_attention_value_is_refused_when_wrapping():
+    with pytest.raises(OrtpassError, match="fused_attention must be True, False or 'auto', not 'on'"):
+        ORTModule(nn.Linear(2, 2), fused_attention="on")
 
 
 def test_the_output_structure_comes_back_with_torch_tensors():

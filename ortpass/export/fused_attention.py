@@ -133,11 +133,26 @@ def _fused_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fals
     return FusedMaskedAttention.apply(query, key, value, attn_mask, dropout_p, scale, bool(enable_gqa))
 
 
+def _fused_sdpa_without_dropout(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                enable_gqa=False):  # fmt: skip
+    """The PythonOp for a call without dropout; torch's SDPA (exported decomposed) for one with."""
+    sdpa = _torch_sdpa if float(dropout_p) > 0 else _fused_sdpa
+    return sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                enable_gqa=enable_gqa)  # fmt: skip
+
+
 @contextlib.contextmanager
-def fused_attention_export() -> Iterator[None]:
+def fused_attention_export(without_dropout_only: bool = False) -> Iterator[None]:
     """While active, ``torch.nn.functional.scaled_dot_product_attention`` exports as a
-    PythonOp (callers that look the name up at call time, as transformers does)."""
-    F.scaled_dot_product_attention = _fused_sdpa
+    PythonOp (callers that look the name up at call time, as transformers does).
+
+    ``without_dropout_only``: only the calls whose ``dropout_p`` is 0; a call with attention
+    dropout exports decomposed.  With dropout torch's SDPA takes its math kernel, which
+    the PythonOp runs three times a step under recompute (forward, clone, backward's
+    re-run): HF GPT-2 (attention dropout 0.1) took 3.03 s a step against 2.71 decomposed,
+    where LLaMA (none, torch's flash kernel) took 1.69 against 2.11 (benchmarks/hf_memory.md).
+    """
+    F.scaled_dot_product_attention = _fused_sdpa_without_dropout if without_dropout_only else _fused_sdpa
     try:
         yield
     finally:

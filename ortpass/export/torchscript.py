@@ -17,7 +17,7 @@ import io
 import json
 import logging
 import warnings
-from typing import Any, Mapping, Sequence
+from typing import Any, Literal, Mapping, Sequence
 
 import onnx
 import onnx_ir as ir
@@ -41,7 +41,7 @@ def export(
     opset: int = 17,
     dynamic_axes: Mapping[str, Mapping[int, str]] | None = None,
     density_threshold: float | None = 90.0,
-    fused_attention: bool = False,
+    fused_attention: bool | Literal["auto"] = False,
     training: bool = True,
 ) -> ir.Model:
     """Export ``module(*args)`` (whose first output is the scalar loss) for training.
@@ -59,7 +59,8 @@ def export(
             the probe.
         fused_attention: export every ``torch.nn.functional.scaled_dot_product_attention``
             call as one recomputable PythonOp running torch's fused kernel
-            (:mod:`ortpass.export.fused_attention`) instead of its decomposition.
+            (:mod:`ortpass.export.fused_attention`) instead of its decomposition;
+            ``"auto"``: only the calls without attention dropout (where it is faster too).
         training: False exports the module in eval mode (no Dropout, no density probe)
             for a forward-only graph, whose first output need not be a loss.
 
@@ -75,6 +76,8 @@ def export(
             f"opset {opset} is not supported: ORT 1.19.2 loads ai.onnx opsets up to {MAX_ORT_OPSET} "
             "and the training ops need 7 or newer"
         )
+    if not (isinstance(fused_attention, bool) or fused_attention == "auto"):
+        raise ExportError(f"fused_attention must be True, False or 'auto', not {fused_attention!r}")
     args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
     if input_names is None:
         input_names = [f"input_{i}" for i in range(len(args))]
@@ -128,7 +131,7 @@ def _run_torchscript_export(
             if fused_attention:
                 from ortpass.export.fused_attention import fused_attention_export
 
-                hooks.enter_context(fused_attention_export())
+                hooks.enter_context(fused_attention_export(without_dropout_only=fused_attention == "auto"))
             if density_threshold is not None:
                 probe = hooks.enter_context(density_probe(module, threshold=density_threshold))
             # The TorchScript exporter is deprecated in favour of dynamo; it is the path that

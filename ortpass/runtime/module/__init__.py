@@ -44,7 +44,7 @@ import os
 import re
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 import onnx_ir as ir
 import torch
@@ -206,7 +206,9 @@ class ORTModule(torch.nn.Module):
         opset: the ai.onnx opset of the export.
         fused_attention: export ``scaled_dot_product_attention`` as one recomputable PythonOp
             running torch's kernel (``ortpass.export.export(fused_attention=True)``): no
-            seq x seq tensor is kept between forward and backward.
+            seq x seq tensor is kept between forward and backward.  Default ``"auto"``: the
+            calls without attention dropout (LLaMA-like models), where it is faster as well
+            as smaller; a call with dropout exports decomposed (README, "Fused attention").
 
     ``state_dict()`` keys carry the ``module.`` prefix (as with DDP); the wrapped module is
     ``.module``.  ``graph_builds`` counts exports in this process.
@@ -221,11 +223,13 @@ class ORTModule(torch.nn.Module):
         providers: Any = None,
         threads: int | None = None,
         opset: int = 17,
-        fused_attention: bool = False,
+        fused_attention: bool | Literal["auto"] = "auto",
     ) -> None:
         super().__init__()
         if not isinstance(module, torch.nn.Module):
             raise OrtpassError(f"ORTModule wraps a torch.nn.Module, got {type(module).__name__}")
+        if not (isinstance(fused_attention, bool) or fused_attention == "auto"):
+            raise OrtpassError(f"fused_attention must be True, False or 'auto', not {fused_attention!r}")
         if pipeline is None:
             from ortpass.passes import DEFAULT_PIPELINE
 

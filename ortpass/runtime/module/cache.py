@@ -23,7 +23,7 @@ _CACHE_FORMAT = 1
 
 
 def cache_key_material(
-    module: torch.nn.Module, schema: InputSchema, pipeline: str, opset: int, fused_attention: bool = False
+    module: torch.nn.Module, schema: InputSchema, pipeline: str, opset: int, fused_attention: bool | str = False
 ) -> dict:
     """Everything that changes the graph; its hash names the cache entry, and the entry
     keeps it whole to compare on load."""
