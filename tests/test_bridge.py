@@ -206,3 +206,36 @@ def test_failing_function_fails_the_run_and_keeps_its_exception():
         assert isinstance(error, RuntimeError) and "boom" in str(error)
     finally:
         bridge.unregister_function(Explodes)
+
+
+class _NoCxxRuntime:
+    """A ctypes.CDLL stand-in: the process's global scope without ``_Znwm`` (torch 2.14's
+    CUDA wheel loads libstdc++ with local binding), and, with ``libstdcxx=False``, no
+    libstdc++ to open either."""
+
+    def __init__(self, libstdcxx: bool):
+        import ctypes
+
+        self.libstdcxx = libstdcxx
+        self.real = ctypes.CDLL  # bridge.ctypes is this module: keep the real one before patching
+
+    def __call__(self, name):
+        if name is None:
+            return object()  # no _Znwm attribute
+        if not self.libstdcxx:
+            raise OSError(f"{name}: cannot open shared object file")
+        return self.real(name)
+
+
+def test_operator_new_is_found_in_libstdcxx_when_the_global_scope_lacks_it(monkeypatch):
+    import ctypes
+
+    monkeypatch.setattr(bridge.ctypes, "CDLL", _NoCxxRuntime(libstdcxx=True))
+    found = bridge._find_operator_new()
+    assert ctypes.cast(found, ctypes.c_void_p).value == ctypes.cast(ctypes.CDLL("libstdc++.so.6")._Znwm, ctypes.c_void_p).value
+
+
+def test_no_cxx_runtime_at_all_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(bridge.ctypes, "CDLL", _NoCxxRuntime(libstdcxx=False))
+    with pytest.raises(RuntimeError, match=r"no C\+\+ operator new \(_Znwm\)"):
+        bridge._find_operator_new()
