@@ -2,7 +2,7 @@
 
 Model: Hugging Face GPT-2 (``GPT2LMHeadModel``), 4 layers, hidden 256, 4 heads, vocab 2048,
 GPT-2's dropout 0.1; batch 8, seq 512; every configuration's forward returns the loss
-only (``LossOnly``), so no configuration returns logits.
+only (``CausalLMLoss``), so no configuration returns logits.
 
 Configurations, each in a fresh process:
 
@@ -68,36 +68,15 @@ def _model(lora: bool):
     import torch
     import transformers
 
-    class LossOnly(torch.nn.Module):
-        def __init__(self, model):
-            super().__init__()
-            self.model = model
-
-        def forward(self, input_ids, labels):
-            return self.model(input_ids=input_ids, labels=labels, use_cache=False).loss
-
-    class Adapter(torch.nn.Module):
-        """base(x) + x A B: a low-rank update around a GPT-2 Conv1D (weight: in x out)."""
-
-        def __init__(self, base):
-            super().__init__()
-            d_in, d_out = base.weight.shape
-            self.base = base
-            self.a = torch.nn.Parameter(torch.randn(d_in, LORA_RANK) * 0.02)
-            self.b = torch.nn.Parameter(torch.zeros(LORA_RANK, d_out))
-
-        def forward(self, x):
-            return self.base(x) + x @ self.a @ self.b
+    from ortpass.testing.models import CausalLMLoss, add_low_rank_adapters
 
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_layer=LAYERS, n_embd=HIDDEN, n_head=HEADS, vocab_size=VOCAB, n_positions=SEQ,
                                      bos_token_id=0, eos_token_id=0)
     model = transformers.GPT2LMHeadModel(config)
     if lora:
-        for block in model.transformer.h:
-            block.attn.c_attn, block.attn.c_proj = Adapter(block.attn.c_attn), Adapter(block.attn.c_proj)
-            block.mlp.c_fc, block.mlp.c_proj = Adapter(block.mlp.c_fc), Adapter(block.mlp.c_proj)
-    return LossOnly(model).train()
+        add_low_rank_adapters(model, LORA_RANK)
+    return CausalLMLoss(model).train()
 
 
 def _batch():

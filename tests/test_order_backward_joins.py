@@ -13,6 +13,7 @@ import torch
 import ortpass
 from ortpass.analysis.partition import TrainingInfo
 from ortpass.export import export
+from ortpass.testing.models import CausalLMLoss, add_low_rank_adapters
 from ortpass.passes import (
     FixDropoutSeedPass,
     OrderBackwardJoinsPass,
@@ -178,33 +179,12 @@ def test_the_gradient_rule_does_not_fire(options, reason):
 def _lora_gpt2(frozen: bool) -> torch.nn.Module:
     """Tiny HF GPT-2 with rank-2 adapters ``base(x) + x A B`` on every projection."""
     transformers = pytest.importorskip("transformers")
-
-    class Adapter(torch.nn.Module):
-        def __init__(self, base):
-            super().__init__()
-            self.base = base
-            self.a = torch.nn.Parameter(torch.randn(base.weight.shape[0], 2) * 0.02)
-            self.b = torch.nn.Parameter(torch.randn(2, base.weight.shape[1]) * 0.02)
-
-        def forward(self, x):
-            return self.base(x) + x @ self.a @ self.b
-
-    class LossOnly(torch.nn.Module):
-        def __init__(self, model):
-            super().__init__()
-            self.model = model
-
-        def forward(self, input_ids, labels):
-            return self.model(input_ids=input_ids, labels=labels, use_cache=False).loss
-
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=16,
                                      bos_token_id=0, eos_token_id=0)  # fmt: skip
     gpt2 = transformers.GPT2LMHeadModel(config)
-    for block in gpt2.transformer.h:
-        for owner, name in ((block.attn, "c_attn"), (block.attn, "c_proj"), (block.mlp, "c_fc"), (block.mlp, "c_proj")):
-            setattr(owner, name, Adapter(getattr(owner, name)))
-    model = LossOnly(gpt2).train()
+    add_low_rank_adapters(gpt2, rank=2)
+    model = CausalLMLoss(gpt2).train()
     for name, p in model.named_parameters():
         p.requires_grad_(not frozen or name.endswith((".a", ".b")))
     return model

@@ -14,7 +14,8 @@ import math
 import torch
 from torch import nn
 
-__all__ = ["MLP", "CausalSelfAttention", "TransformerBlock", "GPTDecoder", "BertMLM"]
+__all__ = ["MLP", "CausalSelfAttention", "TransformerBlock", "GPTDecoder", "BertMLM", "CausalLMLoss", "LowRankAdapter",
+           "add_low_rank_adapters"]
 
 
 class MLP(nn.Module):
@@ -153,3 +154,37 @@ class BertMLM(nn.Module):
         return nn.functional.cross_entropy(
             logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=self.ignore_index
         )
+
+
+class CausalLMLoss(nn.Module):
+    """A transformers causal LM that returns its loss alone (no logits, no cache)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, labels=labels, use_cache=False).loss
+
+
+class LowRankAdapter(nn.Module):
+    """``base(x) + x A B``: a LoRA update around a GPT-2 ``Conv1D`` (weight: in x out).
+    ``B`` starts at zero, as in LoRA, so the adapted model starts as the base."""
+
+    def __init__(self, base: nn.Module, rank: int) -> None:
+        super().__init__()
+        d_in, d_out = base.weight.shape
+        self.base = base
+        self.a = nn.Parameter(torch.randn(d_in, rank) * 0.02)
+        self.b = nn.Parameter(torch.zeros(rank, d_out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + x @ self.a @ self.b
+
+
+def add_low_rank_adapters(gpt2: nn.Module, rank: int) -> None:
+    """Wrap every projection of a transformers GPT-2's blocks (attention ``c_attn``,
+    ``c_proj``; MLP ``c_fc``, ``c_proj``) in a :class:`LowRankAdapter`, in place."""
+    for block in gpt2.transformer.h:
+        for owner, name in ((block.attn, "c_attn"), (block.attn, "c_proj"), (block.mlp, "c_fc"), (block.mlp, "c_proj")):
+            setattr(owner, name, LowRankAdapter(getattr(owner, name), rank))
