@@ -178,6 +178,7 @@ class CandidateSearch:
         members = set(starts)
         boundary: dict[ir.Value, None] = {}
         kept: dict[ir.Value, None] = {}
+        small: dict[ir.Value, None] = {}  # kept by the size floor alone
         compromised = False
         queue = collections.deque(starts)
         while queue:
@@ -202,6 +203,7 @@ class CandidateSearch:
                 if self.sizes.below_floor(value):
                     boundary[value] = None
                     kept[value] = None
+                    small[value] = None
                     continue
                 if self.lookup(producer) is None:
                     return (
@@ -213,8 +215,8 @@ class CandidateSearch:
                 members.add(producer)
                 nodes.append(producer)
                 queue.append(producer)
-        if kept:
-            absorb_free_small_values(self, outputs, nodes, members, boundary, kept)
+        if small:
+            absorb_free_small_values(self, outputs, nodes, members, boundary, kept, small)
         nodes.sort(key=self.positions.__getitem__)
         return _Growth(nodes, boundary, kept, compromised)
 

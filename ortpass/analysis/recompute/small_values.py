@@ -17,7 +17,7 @@ __all__ = ["absorb_free_small_values"]
 
 def absorb_free_small_values(
     search: CandidateSearch, outputs: list[ir.Value], nodes: list[ir.Node], members: set[ir.Node],
-    boundary: dict[ir.Value, None], kept: dict[ir.Value, None],
+    boundary: dict[ir.Value, None], kept: dict[ir.Value, None], small: dict[ir.Value, None],
 ) -> None:
     """Recompute the small values the floor kept that cost no memory to recompute.
 
@@ -26,11 +26,12 @@ def absorb_free_small_values(
     the subgraph computes or keeps anyway costs nothing to recompute, and keeping it
     costs its bytes: a rotary embedding's halves and their negation, 2 MiB each and four
     per layer, read straight off the recomputed query and key.  Such chains join the
-    subgraph (``nodes``, ``members``; their reads join ``boundary``); a small value still
-    ``kept`` after that is one whose recompute would need more, or would take the
-    subgraph past ``max_nodes``.  Updates the growth in place.
+    subgraph (``nodes``, ``members``; their reads join ``boundary``); a value of ``small``
+    (the ones the floor alone kept) still ``kept`` after that is one whose recompute would
+    need more, or would take the subgraph past ``max_nodes``.  What a compromise plan keeps
+    (a widening Cast's input) stays kept.  Updates the growth in place.
     """
-    for value in list(kept):
+    for value in small:
         chain = _free_chain(search, value, members, outputs, budget=search.max_nodes - len(nodes))
         if chain is None:
             continue
@@ -42,8 +43,8 @@ def absorb_free_small_values(
                 if read is not None and (index in ignored or read.producer() not in members):
                     boundary[read] = None
         del kept[value], boundary[value]
-    for value in list(kept):  # a later chain may have taken an earlier kept value's producer
-        if value.producer() in members:
+    for value in small:  # a later chain may have taken an earlier small value's producer
+        if value in kept and value.producer() in members:
             del kept[value], boundary[value]
 
 
