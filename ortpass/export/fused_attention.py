@@ -149,8 +149,8 @@ def fused_attention_export(without_dropout_only: bool = False) -> Iterator[None]
     ``without_dropout_only``: only the calls whose ``dropout_p`` is 0; a call with attention
     dropout exports decomposed.  With dropout torch's SDPA takes its math kernel, which
     the PythonOp runs three times a step under recompute (forward, clone, backward's
-    re-run): HF GPT-2 (attention dropout 0.1) took 3.03 s a step against 2.71 decomposed,
-    where LLaMA (none, torch's flash kernel) took 1.69 against 2.11 (benchmarks/hf_memory.md).
+    re-run): HF GPT-2 (attention dropout 0.1) took 4.10 s a step against 3.87 decomposed,
+    where LLaMA (none, torch's flash kernel) took 2.77 against 3.58 (benchmarks/hf_memory.md).
     """
     F.scaled_dot_product_attention = _fused_sdpa_without_dropout if without_dropout_only else _fused_sdpa
     try:

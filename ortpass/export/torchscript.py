@@ -76,8 +76,7 @@ def export(
             f"opset {opset} is not supported: ORT 1.19.2 loads ai.onnx opsets up to {MAX_ORT_OPSET} "
             "and the training ops need 7 or newer"
         )
-    if not (isinstance(fused_attention, bool) or fused_attention == "auto"):
-        raise ExportError(f"fused_attention must be True, False or 'auto', not {fused_attention!r}")
+    check_fused_attention(fused_attention)
     args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
     if input_names is None:
         input_names = [f"input_{i}" for i in range(len(args))]
@@ -106,6 +105,12 @@ def export(
     model.metadata_props[EXPORT_KEY] = json.dumps(info)
     logger.info("exported %s: %d nodes, %d trainable parameters", type(module).__name__, len(model.graph), len(params))
     return model
+
+
+def check_fused_attention(value: object) -> None:
+    """Refuse a ``fused_attention`` setting other than True, False or ``"auto"``."""
+    if not (isinstance(value, bool) or value == "auto"):
+        raise ExportError(f"fused_attention must be True, False or 'auto', not {value!r}")
 
 
 def _run_torchscript_export(

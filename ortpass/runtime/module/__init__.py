@@ -228,8 +228,9 @@ class ORTModule(torch.nn.Module):
         super().__init__()
         if not isinstance(module, torch.nn.Module):
             raise OrtpassError(f"ORTModule wraps a torch.nn.Module, got {type(module).__name__}")
-        if not (isinstance(fused_attention, bool) or fused_attention == "auto"):
-            raise OrtpassError(f"fused_attention must be True, False or 'auto', not {fused_attention!r}")
+        from ortpass.export.torchscript import check_fused_attention
+
+        check_fused_attention(fused_attention)  # refused when wrapping, not at the first step
         if pipeline is None:
             from ortpass.passes import DEFAULT_PIPELINE
 
