@@ -16,6 +16,13 @@ RSS during a step above the RSS after setup and a warm-up step.  The ORT childre
 torch, except the fused-attention one, whose PythonOps run torch's kernel through ortpass's
 bridge (its RSS after setup includes torch; the step peak does not).
 
+Step time comes from a second fresh process per configuration, with the settings a user
+runs: glibc's defaults, and for ORT ``TrainingSession``'s session options (arena and
+prepacking on; ORT's threads do not spin where PythonOps run torch).  The memory run's
+settings make every tensor an ``mmap``, which slows ORT far more than torch (LLaMA without
+recompute: 2.48 s against 1.14 s; docs/design/ort-facts.md); its time is kept in the JSON
+as ``memory_run_step_seconds``.
+
 Usage: ``python benchmarks/hf_memory.py [--models gpt2 llama] [--seq 512] [--steps 6]``.
 Writes ``hf_memory[_seq<N>].json`` and ``.md`` next to this script.
 """
@@ -164,11 +171,11 @@ def run(families: list[str], seq: int, steps: int, only: list[str] | None = None
                     continue
                 print(f"[{family}] {label}", flush=True)
                 if kind == "ort-cpp":
-                    measured = _child("ort-cpp", str(work), str(steps), str(int(key == "ort_cpp_l1")))
+                    measured = _config("ort-cpp", str(work), str(steps), str(int(key == "ort_cpp_l1")))
                 elif kind.startswith("ort"):
-                    measured = _child("ort", str(work), key, str(steps), str(int(kind == "ort-bridge")))
+                    measured = _config("ort", str(work), key, str(steps), str(int(kind == "ort-bridge")))
                 else:
-                    measured = _child("torch", str(work), family, str(seq), key, str(steps))
+                    measured = _config("torch", str(work), family, str(seq), key, str(steps))
                 if kind in ("ort", "ort-cpp") and measured["torch_imported"]:
                     raise RuntimeError(f"{key}: torch was imported in the ORT child; the memory would be wrong")
                 entry["configs"][key] = {"label": label, **measured}
@@ -182,6 +189,10 @@ def _child(*args: str) -> dict:
     return rm._run_child(*args, script=__file__)
 
 
+def _config(*args: str) -> dict:
+    return rm._run_config(*args, script=__file__)
+
+
 def markdown(results: dict) -> str:
     m = results["model"]
     lines = [
@@ -190,7 +201,8 @@ def markdown(results: dict) -> str:
         f"{m['layers']} layers, hidden {m['hidden']}, {m['heads']} heads, vocab {m['vocab']}, batch {m['batch']}, "
         f"seq {m['seq']} (LLaMA MLP {m['llama_mlp']}); attention_mask of ones; one training step on CPU "
         f"({results['cpus']} cores). Step peak above the RSS after setup and a warm-up step, each configuration "
-        f"in a fresh process; step time: fastest of {results['steps_timed']} warm steps. Load average before/after: "
+        f"in a fresh process; step time: fastest of {results['steps_timed']} warm steps in another fresh process "
+        "with the settings a user runs (no mmap threshold; ORT with TrainingSession's options). Load average before/after: "
         f"{results['load_average_before'][0]:.1f} / {results['load_average_after'][0]:.1f}.",
         "",
     ]

@@ -21,10 +21,15 @@ How memory is measured (docs/design/ort-facts.md):
 - the step of every configuration allocates its gradients (ORT returns them as outputs;
   torch's ``.grad`` are set to None before each step).
 
-ORT configurations share ORTModule's session options for training: no CPU arena, no
-memory pattern, no memory reuse (reuse keeps a freed buffer held until the next value of
-its size takes it; measured +100 MiB of step peak at level 1), no weight prepacking.  The
-ortpass graphs run in a plain session with ORT's default execution order and
+Step time is measured in a second fresh process per configuration, with the settings a
+user runs: glibc's defaults, and ``TrainingSession``'s session options (arena and
+prepacking on, ORT's threads not spinning where PythonOps run torch); the memory run's
+settings slow ORT far more than torch (docs/design/ort-facts.md).
+
+ORT configurations share ORTModule's session options for training: no memory pattern,
+no memory reuse (reuse keeps a freed buffer held until the next value of its size takes
+it; measured +100 MiB of step peak at level 1); in the memory run also no CPU arena and no
+weight prepacking.  The ortpass graphs run in a plain session with ORT's default execution order and
 :data:`ortpass.runtime.session.DISABLED_ORT_OPTIMIZERS` (CSE, SkipLayerNormFusion,
 GeluFusion, GemmTransposeFusion: they undo recompute, drop outputs backward reads, change
 the forward's rounding, or break the execution order RecomputePass writes).
@@ -64,6 +69,7 @@ if os.environ.get("ORTPASS_BENCH_TINY") == "1":  # the test suite's smoke run: s
     VOCAB, HIDDEN, SEQ, BATCH, MIN_ELEMENTS = 64, 32, 16, 2, 0
 ORT_DISABLED_OPTIMIZERS = ["CommonSubexpressionElimination", "SkipLayerNormFusion", "GeluFusion", "GemmTransposeFusion"]
 MIB = 1024 * 1024
+TIMING_RUN = os.environ.get("ORTPASS_BENCH_TIMING") == "1"  # set by _run_child(timing=True)
 # ortpass configurations: key -> (recompute level, 0 = none; whether replay-dropout-mask and
 # order-backward-joins run)
 ORTPASS_PIPELINES = {"ort_replay": (0, True), "ort_l1": (1, False), "ort_l1_full": (1, True), "ort_l2": (2, False)}
@@ -217,17 +223,17 @@ def _load_ort():
     return C, InferenceSession
 
 
-def _ort_training_options(C):
-    """ORTModule's session options for training (see the module docstring): TrainingSession's
-    (no memory reuse, no memory pattern), plus, for measuring RSS, no arena and no prepacking."""
-    options = C.SessionOptions()
-    options.log_severity_level = 3
-    # Without this, freed tensors go back to ORT's arena, not to the OS, and the RSS after
-    # the warm-up step already holds the step's peak.
-    options.enable_cpu_mem_arena = False
-    options.enable_mem_pattern = False
-    options.enable_mem_reuse = False
-    options.add_session_config_entry("session.disable_prepacking", "1")
+def _ort_training_options(C, runs_torch: bool = False):
+    """TrainingSession's session options (``ortpass.runtime.session.training_options``); in a
+    memory run also no arena and no prepacking (see the module docstring)."""
+    from ortpass.runtime.session import training_options
+
+    options = training_options(C, runs_torch=runs_torch)
+    if not TIMING_RUN:
+        # Without this, freed tensors go back to ORT's arena, not to the OS, and the RSS
+        # after the warm-up step already holds the step's peak.
+        options.enable_cpu_mem_arena = False
+        options.add_session_config_entry("session.disable_prepacking", "1")
     return options
 
 
@@ -274,7 +280,7 @@ def child_ort(work: Path, key: str, steps: int, bridge: bool = False) -> dict:
         model = ir.load(work / f"{key}.onnx")
         register_rng_replay_functions(model)  # the recompute clones' RNG-replaying Functions
         torch_bridge.prepare(model)
-    options = _ort_training_options(C)
+    options = _ort_training_options(C, runs_torch=bridge)
     optimized = work / f"{key}.optimized.onnx"
     options.optimized_model_filepath = str(optimized)
     session = InferenceSession(
@@ -370,9 +376,13 @@ def child_torch(work: Path, key: str, layers: int, steps: int) -> dict:
 # -- the parent (standard library only) -----------------------------------------------------------
 
 
-def _run_child(*args: str, script: str = __file__) -> dict:
-    """Run ``script --child ARGS`` in a fresh process; its last stdout line is JSON."""
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", PYTHONWARNINGS="ignore")
+def _run_child(*args: str, script: str = __file__, timing: bool = False) -> dict:
+    """Run ``script --child ARGS`` in a fresh process; its last stdout line is JSON.  A
+    ``timing`` run uses the settings a user runs, not the memory run's (module docstring)."""
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    env.pop("MALLOC_MMAP_THRESHOLD_", None)
+    env.pop("ORTPASS_BENCH_TIMING", None)
+    env.update({"ORTPASS_BENCH_TIMING": "1"} if timing else {"MALLOC_MMAP_THRESHOLD_": "65536"})
     proc = subprocess.run(
         [sys.executable, str(Path(script).resolve()), "--child", *args],
         env=env,
@@ -382,6 +392,16 @@ def _run_child(*args: str, script: str = __file__) -> dict:
     if proc.returncode != 0:
         raise RuntimeError(f"child {args} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _run_config(*args: str, script: str = __file__) -> dict:
+    """One configuration in two fresh processes: its step peak from a memory run, its step
+    times from a timing run (the memory run's fastest step is kept as
+    ``memory_run_step_seconds``)."""
+    memory = _run_child(*args, script=script)
+    timing = _run_child(*args, script=script, timing=True)
+    times = {key: timing[key] for key in ("step_seconds", "step_seconds_median", "step_seconds_all")}
+    return {**memory, **times, "memory_run_step_seconds": memory["step_seconds"]}
 
 
 def run(layers_list: list[int], steps: int, only: list[str] | None = None) -> dict:
@@ -406,11 +426,11 @@ def run(layers_list: list[int], steps: int, only: list[str] | None = None) -> di
                     continue
                 print(f"[{layers} layers] {label}", flush=True)
                 if key.startswith("ort_cpp"):
-                    measured = _run_child("ort-cpp", str(work), str(steps), str(int(key == "ort_cpp_l1")))
+                    measured = _run_config("ort-cpp", str(work), str(steps), str(int(key == "ort_cpp_l1")))
                 elif kind == "ort":
-                    measured = _run_child("ort", str(work), key, str(steps))
+                    measured = _run_config("ort", str(work), key, str(steps))
                 else:
-                    measured = _run_child("torch", str(work), key, str(layers), str(steps))
+                    measured = _run_config("torch", str(work), key, str(layers), str(steps))
                 if kind == "ort" and measured["torch_imported"]:
                     raise RuntimeError(f"{key}: torch was imported in the ORT child; the memory would be wrong")
                 entry["configs"][key] = {"label": label, **measured}
@@ -428,7 +448,8 @@ def markdown(results: dict) -> str:
         "{dropout}; one training step on CPU ({cpus} cores).".format(cpus=results["cpus"], **results["model"]),
         "Step peak = peak RSS during a step minus RSS after setup and a warm-up step; each configuration in "
         "a fresh process, ORT ones without torch imported. Step time: fastest of "
-        f"{results['steps_timed']} warm steps. Extra time: vs the same runtime and graph without recompute (ORT C++: its own graph and session). "
+        f"{results['steps_timed']} warm steps in a second fresh process with the settings a user runs (no mmap "
+        "threshold; ORT with TrainingSession's options). Extra time: vs the same runtime and graph without recompute (ORT C++: its own graph and session). "
         "Load average before/after: {:.1f} / {:.1f} (the machine is shared; times are noisy).".format(
             results["load_average_before"][0], results["load_average_after"][0]
         ),

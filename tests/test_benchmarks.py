@@ -72,6 +72,21 @@ def test_the_memory_optimizer_time_is_read_from_the_transformer_log_lines():
     assert scaling.memory_optimizer_seconds("no transformer ran") is None
 
 
+def test_memory_runs_turn_the_arena_off_and_timing_runs_use_training_session_options(monkeypatch):
+    import onnxruntime as ort
+
+    recompute_memory = _load("recompute_memory")
+    memory = recompute_memory._ort_training_options(ort)
+    assert memory.enable_cpu_mem_arena is False and not memory.enable_mem_reuse
+    assert memory.get_session_config_entry("session.disable_prepacking") == "1"
+    monkeypatch.setattr(recompute_memory, "TIMING_RUN", True)
+    timing = recompute_memory._ort_training_options(ort, runs_torch=True)
+    assert timing.enable_cpu_mem_arena is True and not timing.enable_mem_reuse
+    with pytest.raises(RuntimeError, match="does not have configuration"):
+        timing.get_session_config_entry("session.disable_prepacking")
+    assert timing.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+
+
 @pytest.mark.slow
 def test_recompute_memory_measures_every_configuration_on_a_tiny_decoder(monkeypatch):
     monkeypatch.setenv("ORTPASS_BENCH_TINY", "1")  # read by the script and by its children
@@ -114,6 +129,7 @@ def test_hf_memory_measures_every_configuration_on_a_tiny_gpt2(monkeypatch):
     configs = results["families"]["gpt2"]["configs"]
     assert list(configs) == [key for key, _, _ in hf_memory.CONFIGS]
     assert all(c["step_seconds"] > 0 and c["step_peak_mib"] >= 0 for c in configs.values())
+    assert all(c["memory_run_step_seconds"] > 0 for c in configs.values())  # times from a second run
     # The fused-attention graph runs its attention as PythonOps through the bridge.
     assert configs["ortpass_fused"]["ort_nodes"] > 0
     table = hf_memory.markdown(results)

@@ -406,6 +406,13 @@ def test_clones_survive_in_the_graph_ort_runs(decoder_graph, tmp_path):
     assert clones and _surviving_clones(recomputed, ort_names) == clones
 
 
+def test_graphs_without_pythonops_keep_ort_thread_spinning(decoder_graph):
+    recomputed, _ = _rewrite(decoder_graph, 1, recompute=True)
+    options = TrainingSession(recomputed)._session.get_session_options()
+    with pytest.raises(RuntimeError, match="does not have configuration"):  # unset: ORT's default, spin
+        options.get_session_config_entry("session.intra_op.allow_spinning")
+
+
 def test_your_own_session_options_are_used_and_the_clones_still_survive(decoder_graph, tmp_path):
     import onnxruntime as ort
 

@@ -92,7 +92,8 @@ class TrainingSession:
         session_options: your own ``onnxruntime.SessionOptions`` (profiling, graph
             optimization level, thread pools, memory settings).  Used as given, except that
             ``threads`` and ``optimized_model_path`` are set on it when passed; without it
-            ortpass's training defaults apply (no memory reuse or pattern, errors only).
+            ortpass's training defaults apply (:func:`training_options`: no memory reuse or
+            pattern, errors only, no thread spinning where PythonOps run torch).
             Either way the optimizers that undo ortpass's rewrites stay disabled
             (:func:`disabled_optimizers`): they are passed to the session, not set in the
             options.
@@ -115,12 +116,13 @@ class TrainingSession:
         proto = ir.to_proto(model)
         clamp_for_ort(proto)
         _expose_values(proto, self.extra_outputs)
-        if any(n.op_type in ("PythonOp", "PythonOpGrad") for n in proto.graph.node):
+        runs_torch = any(n.op_type in ("PythonOp", "PythonOpGrad") for n in proto.graph.node)
+        if runs_torch:
             from ortpass.pythonop import bridge
 
             bridge.prepare(model)
 
-        options = session_options if session_options is not None else _training_options(ort)
+        options = session_options if session_options is not None else training_options(ort, runs_torch=runs_torch)
         if threads is not None:
             options.intra_op_num_threads = threads
         if optimized_model_path is not None:
@@ -305,14 +307,26 @@ def _root_cause(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _training_options(ort: Any) -> Any:
-    """ORTModule's settings for training sessions.  Memory reuse keeps a freed buffer held
-    until a later value of the same size takes it: +100 MiB of step peak on a 4-layer
-    decoder with recompute (benchmarks/recompute_memory.py)."""
+def training_options(ort: Any, *, runs_torch: bool) -> Any:
+    """ortpass's session options for training graphs (``ort``: the onnxruntime module, or
+    its ``capi._pybind_state``).
+
+    - No memory reuse or pattern: reuse keeps a freed buffer held until a later value of
+      the same size takes it, +100 MiB of step peak on a 4-layer decoder with recompute
+      (benchmarks/recompute_memory.py).
+    - ``runs_torch`` (the graph holds PythonOps): ORT's intra-op threads do not spin.  After
+      each kernel they busy-wait for the next one, and while a PythonOp runs torch's kernels
+      on torch's own threads (one per core) the spinning thread takes a core from them: HF
+      LLaMA with fused attention, 2 cores, 1.77-2.00 s a step with spinning, 1.43-1.44 s
+      without.  Graphs without PythonOps keep spinning: the same model decomposed ran
+      1.40-1.52 s with it and 1.44-1.61 s without (docs/design/ort-facts.md).
+    """
     options = ort.SessionOptions()
     options.log_severity_level = 3
     options.enable_mem_reuse = False
     options.enable_mem_pattern = False
+    if runs_torch:
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return options
 
 
