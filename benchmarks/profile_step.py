@@ -3,9 +3,10 @@
 Graphs: ``hf_memory.py``'s (HF GPT-2 and LLaMA, 4 layers, hidden 256, 4 heads, vocab 2048,
 batch 8, seq 512; ``--seq`` to change it): ORT without recompute, ortpass's default
 pipeline, and the default pipeline on the fused-attention export.  Each runs in a session
-with :class:`ortpass.runtime.TrainingSession`'s options (no memory reuse or pattern, the
-same disabled optimizers) and ORT's profiler on; after a warm-up step, ``--steps`` steps
-are profiled and the kernel time (``*_kernel_time`` events) is summed per op type.
+with :class:`ortpass.runtime.TrainingSession`'s options (``training_options``: no memory
+reuse or pattern, no thread spinning where PythonOps run torch; the same disabled
+optimizers) and ORT's profiler on; after a warm-up step, ``--steps`` steps are profiled and
+the kernel time (``*_kernel_time`` events) is summed per op type.
 PythonOp and PythonOpGrad time is torch's kernels called through ortpass's bridge.
 
 Usage: ``python benchmarks/profile_step.py [--models gpt2 llama] [--steps 2]``.  Writes
@@ -38,16 +39,14 @@ def profile(work: Path, key: str, steps: int) -> dict:
 
     from ortpass.pythonop.rng_replay import register_rng_replay_functions
     from ortpass.pythonop import bridge
-    from ortpass.runtime.session import disabled_optimizers
+    from ortpass.runtime.session import disabled_optimizers, training_options
 
     model = ir.load(work / f"{key}.onnx")
-    if any(n.op_type == "PythonOp" for n in model.graph):
+    runs_torch = any(n.op_type == "PythonOp" for n in model.graph)
+    if runs_torch:
         register_rng_replay_functions(model)
         bridge.prepare(model)
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    options.enable_mem_reuse = False
-    options.enable_mem_pattern = False
+    options = training_options(ort, runs_torch=runs_torch)
     options.enable_profiling = True
     options.profile_file_prefix = str(work / f"profile_{key}")
     session = ort.InferenceSession(
