@@ -15,7 +15,7 @@ import onnx_ir as ir
 
 from ortpass.analysis.partition import is_backward
 
-__all__ = ["order_gradient_leaves"]
+__all__ = ["leaf_units", "order_gradient_leaves"]
 
 
 def order_gradient_leaves(graph: ir.Graph, nodes: list[ir.Node]) -> dict[ir.Node, int]:
@@ -36,7 +36,7 @@ def order_gradient_leaves(graph: ir.Graph, nodes: list[ir.Node]) -> dict[ir.Node
     new order.
     """
     position = {node: i for i, node in enumerate(nodes)}
-    units = _leaf_units(nodes)
+    units = leaf_units(nodes)
     produced_at = _ProducedAt(position)
     ready = {unit[-1]: _ready_position(unit, produced_at) for unit in units}
     units.sort(key=lambda unit: (ready[unit[-1]], position[unit[-1]]))
@@ -49,7 +49,7 @@ def order_gradient_leaves(graph: ir.Graph, nodes: list[ir.Node]) -> dict[ir.Node
     return position
 
 
-def _leaf_units(nodes: Sequence[ir.Node]) -> list[list[ir.Node]]:
+def leaf_units(nodes: Sequence[ir.Node]) -> list[list[ir.Node]]:
     """Each backward leaf with the backward nodes only it reads, in graph order (the leaf
     last: every other member feeds it).  ``nodes``: the graph's nodes, in order."""
     owner: dict[ir.Node, ir.Node] = {}  # node -> the leaf whose unit holds it, consumers first

@@ -9,9 +9,10 @@ from ortpass.passes.insert_gather_before_sce_loss import InsertGatherBeforeSceLo
 from ortpass.passes.order_backward_joins import OrderBackwardJoinsPass
 from ortpass.passes.pythonop_shape_inference import PythonOpShapeInferencePass
 from ortpass.passes.recompute import RecomputePass
+from ortpass.passes.recompute_gate_activation import RecomputeGateActivationPass
 from ortpass.passes.replay_dropout_mask import ReplayDropoutMaskPass
 
-__all__ = ["CREATED_BY_KEY", "DEFAULT_PIPELINE", "AccumulateGradientsEarlyPass", "BuildTrainingGraphPass", "FixDropoutSeedPass", "InsertGatherBeforeSceLossPass", "OrderBackwardJoinsPass", "OrtFunctionalPass", "OrtPass", "PythonOpShapeInferencePass", "RecomputePass", "ReplayDropoutMaskPass"]
+__all__ = ["CREATED_BY_KEY", "DEFAULT_PIPELINE", "AccumulateGradientsEarlyPass", "BuildTrainingGraphPass", "FixDropoutSeedPass", "InsertGatherBeforeSceLossPass", "OrderBackwardJoinsPass", "OrtFunctionalPass", "OrtPass", "PythonOpShapeInferencePass", "RecomputeGateActivationPass", "RecomputePass", "ReplayDropoutMaskPass"]
 
 #: What ``ortpass optimize``, ``ortpass.ORTModule`` and the golden suite run without ``--pipeline``: every built-in pass (the manager
 #: orders them from their declarations), recompute at ORTModule's layer-wise level 1 with
@@ -20,5 +21,5 @@ __all__ = ["CREATED_BY_KEY", "DEFAULT_PIPELINE", "AccumulateGradientsEarlyPass",
 #: (faster on CPU at every flagged density; benchmarks/sce_gather.py).
 DEFAULT_PIPELINE = (
     "pythonop-shape-inference,insert-gather-before-sce-loss(move_above_projection=True),build-training-graph,"
-    "accumulate-gradients-early,fix-dropout-seed(level=1),recompute(level=1),replay-dropout-mask,order-backward-joins"
+    "accumulate-gradients-early,fix-dropout-seed(level=1),recompute(level=1),replay-dropout-mask,recompute-gate-activation,order-backward-joins"
 )

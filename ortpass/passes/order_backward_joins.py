@@ -154,13 +154,13 @@ class OrderBackwardJoinsPass(OrtPass):
     the most bytes, so ORT's default order runs it first (see the module docstring).
 
     Runs last among the post-grad passes that move or add backward nodes (after
-    ``recompute`` and ``replay-dropout-mask``).  Statistics: ``joins reordered``,
+    ``recompute``, ``replay-dropout-mask`` and ``recompute-gate-activation``).  Statistics: ``joins reordered``,
     ``nodes moved``, ``gradients walked first`` (joins reordered for the gradient),
     ``joins of unknown size`` (left alone).
     """
 
     phase = "post-grad"
-    runs_after = frozenset({"recompute", "replay-dropout-mask"})
+    runs_after = frozenset({"recompute", "replay-dropout-mask", "recompute-gate-activation"})
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
