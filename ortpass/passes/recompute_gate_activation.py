@@ -10,7 +10,7 @@ five such tensors at once, in either order of the products.  HF LLaMA's step pea
 in every layer's backward.
 
 Rule: where a backward ``<op>Grad`` node reads the input ``G`` of an activation node
-(``<op>``, one input) whose output ``A`` is multiplied by another tensor of its own shape
+(``<op>``, one input, output of ``G``'s shape) whose output ``A`` is multiplied by another tensor of its own shape
 (the gate), every gradient node that multiplies by ``A`` (a ``Mul`` reading it that is not
 a recompute clone and does not feed the ``<op>Grad``) reads instead a copy of the
 activation computed from ``G`` right before it.  ``A`` then dies with the gated product
@@ -59,7 +59,7 @@ class RecomputeGateActivationPass(OrtPass):
     """
 
     phase = "post-grad"
-    runs_after = frozenset({"recompute", "replay-dropout-mask"})
+    runs_after = frozenset({"recompute"})
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
@@ -84,9 +84,9 @@ class RecomputeGateActivationPass(OrtPass):
 
 
 def _gated_activations(nodes: Sequence[ir.Node]) -> list[tuple[ir.Node, ir.Node]]:
-    """(activation, its gradient node) for each one-input activation whose gradient
-    ``<op>Grad`` reads the activation's input and whose output a ``Mul`` gates with a
-    tensor of the same shape."""
+    """(activation, its gradient node) for each one-input, shape-keeping activation whose
+    gradient ``<op>Grad`` reads the activation's input and whose output a ``Mul`` gates
+    with a tensor of the same shape."""
     found = []
     for gradient in nodes:
         if not (is_backward(gradient) and gradient.op_type.endswith("Grad") and len(gradient.inputs) >= 2):
@@ -94,9 +94,9 @@ def _gated_activations(nodes: Sequence[ir.Node]) -> list[tuple[ir.Node, ir.Node]
         source = gradient.inputs[1]
         op_type = gradient.op_type[: -len("Grad")]
         for reader, _ in source.uses() if source is not None else ():
-            if reader.op_type == op_type and reader.domain == gradient.domain and len(reader.inputs) == 1:
-                if _is_gated(reader.outputs[0]):
-                    found.append((reader, gradient))
+            if (reader.op_type == op_type and reader.domain == gradient.domain and len(reader.inputs) == 1
+                    and _same_static_shape(source, reader.outputs[0]) and _is_gated(reader.outputs[0])):
+                found.append((reader, gradient))
     return found
 
 
