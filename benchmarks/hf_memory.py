@@ -24,7 +24,8 @@ recompute: 2.48 s against 1.14 s; docs/design/ort-facts.md); its time is kept in
 as ``memory_run_step_seconds``.
 
 Usage: ``python benchmarks/hf_memory.py [--models gpt2 llama] [--seq 512] [--steps 6]``.
-Writes ``hf_memory[_seq<N>].json`` and ``.md`` next to this script.
+Writes ``hf_memory[_seq<N>].json`` and ``.md`` next to this script (``_<model>`` added for
+one model alone).
 """
 
 from __future__ import annotations
@@ -275,6 +276,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.only:
         return
     stem = "hf_memory" if args.seq == 512 else f"hf_memory_seq{args.seq}"
+    if args.models != ["gpt2", "llama"]:  # a subset keeps the full run's record
+        stem += "_" + "_".join(args.models)
     rm.record(HERE / stem, results, markdown(results))
 
 
