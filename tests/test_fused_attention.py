@@ -94,6 +94,33 @@ def test_float_mask_gets_its_gradient_and_bool_mask_none():
     torch.testing.assert_close(FusedMaskedAttention.apply(q, k, v, keep.to(torch.uint8), 0.0, 0.25, False), out)
 
 
+def test_a_causal_bool_mask_runs_the_causal_kernel_and_any_other_mask_is_kept(monkeypatch):
+    from ortpass.export import fused_attention
+
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append((kwargs["attn_mask"], kwargs["is_causal"]))
+        return _TORCH_SDPA(*args, **kwargs)
+
+    monkeypatch.setattr(fused_attention, "_torch_sdpa", spy)
+    q, k, v = _qkv(5)
+    causal = torch.ones(8, 8, dtype=torch.bool).tril().expand(2, 1, 8, 8).contiguous()
+    padded = causal.clone()
+    padded[1, :, :, 0] = False  # the second sequence's first token is padding
+    bias = torch.randn(1, 4, 8, 8)
+    for mask, shortcut in ((causal, True), (causal.to(torch.uint8), True), (padded, False), (bias, False)):
+        calls.clear()
+        out = FusedMaskedAttention.apply(q, k, v, mask, 0.0, 0.25, False)
+        grads = _grads(out, [q, k, v])
+        assert calls and all((m is None and c) if shortcut else (m is not None and not c) for m, c in calls)
+        reference_mask = mask.view(torch.bool) if mask.dtype == torch.uint8 else mask
+        expected = _TORCH_SDPA(q, k, v, attn_mask=reference_mask, scale=0.25)
+        torch.testing.assert_close(out, expected)
+        for a, e in zip(grads, _grads(expected, [q, k, v])):
+            torch.testing.assert_close(a, e)
+
+
 def test_dropout_backward_regenerates_forwards_mask():
     """Backward runs SDPA again from the generator state forward started from, so the
     gradient is SDPA's own for the mask forward drew."""
