@@ -174,8 +174,9 @@ def fused_attention_export(without_dropout_only: bool = False) -> Iterator[None]
     ``without_dropout_only``: only the calls whose ``dropout_p`` is 0; a call with attention
     dropout exports decomposed.  With dropout torch's SDPA takes its math kernel, which
     the PythonOp runs three times a step under recompute (forward, clone, backward's
-    re-run): HF GPT-2 (attention dropout 0.1) took 2.79 s a step against 2.01 decomposed,
-    where LLaMA (none, torch's flash kernel) took 1.38 against 1.50 (benchmarks/hf_memory.md).
+    re-run): HF GPT-2 (attention dropout 0.1) took 2.81 s a step against 1.98 decomposed,
+    where LLaMA (none, torch's flash kernel) took 1.38-1.65 against 1.50-1.58 in two runs,
+    for 124 MiB of step peak against 249 (benchmarks/hf_memory.md).
     """
     F.scaled_dot_product_attention = _fused_sdpa_without_dropout if without_dropout_only else _fused_sdpa
     try:
