@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import onnx_ir as ir
 
 __all__ = ["NameAllocator"]
 
@@ -16,6 +20,16 @@ class NameAllocator:
 
     def __init__(self, taken: Iterable[str] = ()) -> None:
         self.taken: set[str] = set(taken)
+
+    @classmethod
+    def of_graph(cls, graph: ir.Graph) -> NameAllocator:
+        """Every name ``graph`` uses taken: its nodes', their outputs', its inputs' and its
+        initializers' (one namespace, so a new node or value takes none of them)."""
+        nodes = list(graph)
+        return cls(
+            [n.name for n in nodes if n.name] + [v.name for n in nodes for v in n.outputs if v.name]
+            + [v.name for v in graph.inputs if v.name] + list(graph.initializers)
+        )  # fmt: skip
 
     def __contains__(self, name: str) -> bool:
         return name in self.taken

@@ -135,10 +135,7 @@ class AccumulateGradientsEarlyPass(OrtPass):
             return False
         if positions.of[anchor] > positions.of[accumulate]:
             return False
-        names = NameAllocator(
-            [n.name for n in graph if n.name] + [v.name for n in graph for v in n.outputs if v.name]
-            + [v.name for v in graph.inputs] + list(graph.initializers)
-        )  # fmt: skip
+        names = NameAllocator.of_graph(graph)
         uses = list(target.uses())
         summed = ir.node("ReduceSum", [part], {"keepdims": 0}, name=names.fresh(f"{part.name}_sum"))
         never = ir.node("Constant", [], {"value": ir.tensor(np.array(False))}, name=names.fresh(f"{part.name}_never"))

@@ -64,23 +64,32 @@ class RecomputeGateActivationPass(OrtPass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
         nodes = list(graph)
-        names: NameAllocator | None = None
-        modified = False
-        for activation, gradient in _gated_activations(nodes):
-            products = _partner_products(activation, gradient)
-            if not products:
-                continue
-            if names is None:
-                names = _taken_names(graph, nodes)
-            for product in products:
-                copy = _late_copy(activation, names, self.name)
-                graph.insert_before(product, copy)
-                product.replace_input_with(_index_of(product, activation.outputs[0]), copy.outputs[0])
-                self.count("activations copied")
-                self.count("leaves moved", _walk_after(graph, first=gradient, then=product))
-                logger.debug("%s: reads %s, computed after %s", product.name, copy.name, gradient.name)
-            modified = True
-        return ir.passes.PassResult(model, modified=modified)
+        position = {node: i for i, node in enumerate(nodes)}
+        # Every decision is made on the graph as it came, in one walk: the copies and the
+        # leaf moves change no node's readers that a later decision looks at.
+        copies = [
+            (activation, gradient, product)
+            for activation, gradient in _gated_activations(nodes)
+            for product in _partner_products(activation, gradient, position)
+        ]  # fmt: skip
+        if not copies:
+            return ir.passes.PassResult(model, modified=False)
+        units = leaf_units(nodes)
+        moves = [_leaves_to_move(units, position, first=gradient, then=product) for _, gradient, product in copies]
+        names = NameAllocator.of_graph(graph)
+        for activation, gradient, product in copies:
+            copy = _late_copy(activation, names, self.name)
+            graph.insert_before(product, copy)
+            product.replace_input_with(_index_of(product, activation.outputs[0]), copy.outputs[0])
+            self.count("activations copied")
+            logger.debug("%s: reads %s, computed after %s", product.name, copy.name, gradient.name)
+        for place, leaves in moves:
+            if leaves:
+                moved = [node for unit in leaves for node in unit]
+                graph.remove(moved)
+                graph.insert_before(place, moved)
+                self.count("leaves moved", len(leaves))
+        return ir.passes.PassResult(model, modified=True)
 
 
 def _gated_activations(nodes: Sequence[ir.Node]) -> list[tuple[ir.Node, ir.Node]]:
@@ -95,24 +104,24 @@ def _gated_activations(nodes: Sequence[ir.Node]) -> list[tuple[ir.Node, ir.Node]
         op_type = gradient.op_type[: -len("Grad")]
         for reader, _ in source.uses() if source is not None else ():
             if (reader.op_type == op_type and reader.domain == gradient.domain and len(reader.inputs) == 1
-                    and _same_static_shape(source, reader.outputs[0]) and _is_gated(reader.outputs[0])):
+                    and _same_shape(source, reader.outputs[0]) and _is_gated(reader.outputs[0])):
                 found.append((reader, gradient))
     return found
 
 
 def _is_gated(value: ir.Value) -> bool:
     """A forward ``Mul`` (or its recompute clone) multiplies ``value`` by another tensor of
-    the same static shape: the gate of a gated MLP, not a scale."""
+    the same shape: the gate of a gated MLP, not a scale."""
     for reader, index in value.uses():
         if reader.op_type != "Mul" or reader.domain != "" or _is_gradient_node(reader):
             continue
         other = reader.inputs[1 - index]
-        if other is not None and other is not value and _same_static_shape(other, value):
+        if other is not None and other is not value and _same_shape(other, value):
             return True
     return False
 
 
-def _partner_products(activation: ir.Node, gradient: ir.Node) -> list[ir.Node]:
+def _partner_products(activation: ir.Node, gradient: ir.Node, position: dict[ir.Node, int]) -> list[ir.Node]:
     """The gradient ``Mul`` nodes that read the activation's output and do not feed its
     gradient node (which reads the input the copy is made from)."""
     out = activation.outputs[0]
@@ -120,7 +129,7 @@ def _partner_products(activation: ir.Node, gradient: ir.Node) -> list[ir.Node]:
         reader for reader, _ in out.uses()
         if reader.op_type == "Mul" and reader.domain == "" and _is_gradient_node(reader)
     ]  # fmt: skip
-    return [p for p in products if not _feeds(p, gradient)]
+    return [p for p in products if not _feeds(p, gradient, position)]
 
 
 def _is_gradient_node(node: ir.Node) -> bool:
@@ -128,8 +137,10 @@ def _is_gradient_node(node: ir.Node) -> bool:
     return is_backward(node) and RECOMPUTE_OF_KEY not in node.metadata_props
 
 
-def _feeds(node: ir.Node, target: ir.Node) -> bool:
-    """``node``'s outputs reach ``target`` through backward nodes."""
+def _feeds(node: ir.Node, target: ir.Node, position: dict[ir.Node, int]) -> bool:
+    """``node``'s outputs reach ``target`` through backward nodes.  The graph is sorted, so
+    only the nodes between the two in graph order need a look."""
+    start = position[node]
     seen, stack = set(), [target]
     while stack:
         current = stack.pop()
@@ -137,7 +148,8 @@ def _feeds(node: ir.Node, target: ir.Node) -> bool:
             producer = value.producer() if value is not None else None
             if producer is node:
                 return True
-            if producer is not None and producer not in seen and is_backward(producer):
+            if (producer is not None and producer not in seen and is_backward(producer)
+                    and position.get(producer, -1) > start):  # fmt: skip
                 seen.add(producer)
                 stack.append(producer)
     return False
@@ -159,28 +171,25 @@ def _late_copy(activation: ir.Node, names: NameAllocator, created_by: str) -> ir
     )
 
 
-def _walk_after(graph: ir.Graph, *, first: ir.Node, then: ir.Node) -> int:
-    """Move the backward leaves that read ``then``'s outputs to just before the first leaf
-    that reads ``first``'s, so ORT's walk (last leaf first) runs ``first``'s leaves before
-    them.  Returns the number of leaves moved (0 where they already come first, where
-    ``first`` feeds no leaf, or where a leaf reads a value produced after the place)."""
-    nodes = list(graph)
-    position = {node: i for i, node in enumerate(nodes)}
-    units = leaf_units(nodes)
+def _leaves_to_move(
+    units: list[list[ir.Node]], position: dict[ir.Node, int], *, first: ir.Node, then: ir.Node
+) -> tuple[ir.Node | None, list[list[ir.Node]]]:
+    """The backward leaves (``units``: :func:`leaf_units`) that read ``then``'s outputs and
+    sit after the first leaf that reads ``first``'s, with that leaf's first node: moved to
+    just before it, they come earlier in graph order and ORT's walk (last leaf first) runs
+    ``first``'s leaves before them.  None where they already come first, where ``first``
+    feeds no leaf, or where a leaf reads a value produced after the place."""
     first_units = [u for u in units if _reads_output_of(u, first)]
     then_units = [u for u in units if _reads_output_of(u, then) and u not in first_units]
     if not first_units or not then_units:
-        return 0
-    place = min(position[u[0]] for u in first_units)
-    late = [u for u in then_units if position[u[-1]] > place]
-    moved = [node for unit in late for node in unit]
-    inside = set(moved)
-    if any(position.get(v.producer(), -1) >= place for node in moved for v in node.inputs
+        return None, []
+    place = min((u[0] for u in first_units), key=position.__getitem__)
+    late = [u for u in then_units if position[u[-1]] > position[place]]
+    inside = {node for unit in late for node in unit}
+    if any(position.get(v.producer(), -1) >= position[place] for node in inside for v in node.inputs
            if v is not None and v.producer() not in inside):  # fmt: skip
-        return 0
-    graph.remove(moved)
-    graph.insert_before(nodes[place], moved)
-    return len(late)
+        return None, []
+    return place, late
 
 
 def _reads_output_of(unit: Sequence[ir.Node], node: ir.Node) -> bool:
@@ -196,7 +205,8 @@ def _reads_output_of(unit: Sequence[ir.Node], node: ir.Node) -> bool:
     return False
 
 
-def _same_static_shape(a: ir.Value, b: ir.Value) -> bool:
+def _same_shape(a: ir.Value, b: ir.Value) -> bool:
+    """Equal shapes, every dim known: ints, or symbolic dims of one name."""
     if a.shape is None or b.shape is None or len(a.shape) != len(b.shape):
         return False
     # A symbolic dim equals another of the same name; an unnamed one equals nothing.
@@ -205,10 +215,3 @@ def _same_static_shape(a: ir.Value, b: ir.Value) -> bool:
 
 def _index_of(node: ir.Node, value: ir.Value) -> int:
     return next(i for i, v in enumerate(node.inputs) if v is value)
-
-
-def _taken_names(graph: ir.Graph, nodes: Sequence[ir.Node]) -> NameAllocator:
-    return NameAllocator(
-        [n.name for n in nodes if n.name] + [v.name for n in nodes for v in n.outputs if v.name]
-        + [v.name for v in graph.inputs] + list(graph.initializers)
-    )  # fmt: skip
