@@ -320,22 +320,68 @@ class _CausalBlock(torch.nn.Module):
         return self.out(attended.transpose(1, 2).flatten(-2)).square().mean()
 
 
-def test_recomputed_attention_replays_its_dropout_mask():
+_CAUSAL_BLOCK_RECOMPUTE = (
+    "pythonop-shape-inference,build-training-graph,fix-dropout-seed(min_elements=0),"
+    "recompute(plans='Transpose+MatMul+Add+Split+Reshape+Transpose+Reshape+Transpose+Reshape+Transpose+PythonOp+:1:-1',"
+    " min_elements=0)"
+)
+
+
+def _sdpa_calls(monkeypatch) -> list[bool]:
+    """Record, per attention the fused Functions compute (torch's SDPA, or a block of
+    ortpass.export.attention_blocks where dropout runs on the CPU), whether it built a graph."""
+    import ortpass.export.attention_blocks as blocks
+    import ortpass.export.fused_attention as fused
+
+    calls = []
+
+    def counting(compute):
+        def run(*args, **kwargs):
+            out = compute(*args, **kwargs)
+            calls.append(out.grad_fn is not None)
+            return out
+
+        return run
+
+    monkeypatch.setattr(fused, "_torch_sdpa", counting(_TORCH_SDPA))
+    monkeypatch.setattr(blocks, "_block", counting(blocks._block))
+    return calls
+
+
+def test_recomputed_attention_replays_its_dropout_mask(monkeypatch):
     """The attention PythonOp recomputed in backward (RNG state replayed): its clone's ctx
     feeds PythonOpGrad, and the gradients equal torch eager's from the same seed, so the
-    clone drew forward's mask."""
+    clone drew forward's mask.  The clone keeps SDPA's autograd graph, so backward runs no
+    third forward: SDPA runs twice a step, once without a graph and once with one."""
     torch.manual_seed(0)
     module = _CausalBlock()
     x = torch.randn(2, 6, 16)
     forward = export(module, (x,), fused_attention=True)
-    result = ortpass.pipeline(
-        "pythonop-shape-inference,build-training-graph,fix-dropout-seed(min_elements=0),"
-        "recompute(plans='Transpose+MatMul+Add+Split+Reshape+Transpose+Reshape+Transpose+Reshape+Transpose+PythonOp+:1:-1',"
-        " min_elements=0)"
-    )(forward)
+    result = ortpass.pipeline(_CAUSAL_BLOCK_RECOMPUTE)(forward)
     pythonops = [n for n in result.model.graph if n.op_type == "PythonOp"]
     assert len(pythonops) == 2 and pythonops[0].attributes["training_mode"].as_int() == 0
+    calls = _sdpa_calls(monkeypatch)
     step = _step_on_ort(result.model, {"input_0": x}, seed=5)
+    assert calls == [False, True]
+    torch.manual_seed(5)
+    loss = module(x)
+    loss.backward()
+    assert step.loss == pytest.approx(loss.item(), rel=1e-6)
+    for name, param in module.named_parameters():
+        np.testing.assert_allclose(step.gradients[name], param.grad.numpy(), rtol=1e-5, atol=1e-7)
+
+
+def test_attention_trained_without_recompute_runs_forward_again_in_backward(monkeypatch):
+    """Without recompute the forward PythonOp keeps only its inputs (no seq x seq tensor
+    waits for backward), and backward runs SDPA again from forward's generator state."""
+    torch.manual_seed(0)
+    module = _CausalBlock()
+    x = torch.randn(2, 6, 16)
+    forward = export(module, (x,), fused_attention=True)
+    training = ortpass.pipeline("pythonop-shape-inference,build-training-graph")(forward).model
+    calls = _sdpa_calls(monkeypatch)
+    step = _step_on_ort(training, {"input_0": x}, seed=5)
+    assert calls == [False, True]  # forward without a graph; backward's re-run with one
     torch.manual_seed(5)
     loss = module(x)
     loss.backward()

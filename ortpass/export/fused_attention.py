@@ -23,7 +23,11 @@ backward and holds no seq x seq tensor between forward and backward, which is wh
 FlashAttention's own Function does.  Both Functions are registered as recomputable
 attention (the recompute analysis may clone them, replaying the generator state, and
 layer detection sees them) under their func_names in :mod:`ortpass.conventions`, so a
-process that only loads an exported model knows them without importing torch.
+process that only loads an exported model knows them without importing torch.  A
+recompute clone runs right before its backward, so it runs ``recompute_forward`` instead:
+SDPA with autograd, whose saved tensors serve backward without that extra forward (with
+torch's flash kernel they are the output and a log-sum-exp per row; with the math kernel
+that dropout takes, the attention probabilities, which the re-run would build anyway).
 
 A boolean mask that is exactly SDPA's causal mask (what HF decoders trace for a batch
 without padding: transformers itself skips the mask then) runs as ``is_causal=True``, the
@@ -46,6 +50,8 @@ from typing import Iterator
 
 import torch
 import torch.nn.functional as F
+
+from ortpass.export import attention_blocks
 
 __all__ = ["FusedAttention", "FusedMaskedAttention", "fused_attention_export"]
 
@@ -80,15 +86,34 @@ def _forward(ctx, tensors: tuple[torch.Tensor, ...], dropout_p: float, is_causal
 
 
 def _attend(tensors, dropout_p, is_causal, scale, enable_gqa):
-    q, k, v, *mask = tensors
-    attn_mask = mask[0] if mask else None
-    if attn_mask is not None and _is_causal_mask(attn_mask, q.shape[-2], k.shape[-2]):
+    tensors, is_causal = _without_causal_mask(tensors, is_causal)
+    if attention_blocks.applies(tensors[0], dropout_p, _mask(tensors)):
+        return attention_blocks.attend(tensors, dropout_p, is_causal, scale, enable_gqa)
+    q, k, v = tensors[:3]
+    return _torch_sdpa(
+        q, k, v, attn_mask=_mask(tensors), dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
+    )
+
+
+def _mask(tensors) -> torch.Tensor | None:
+    return tensors[3] if len(tensors) > 3 else None
+
+
+def _without_causal_mask(tensors, is_causal: bool):
+    q, k, *_ = tensors
+    mask = _mask(tensors)
+    if mask is not None and _is_causal_mask(mask, q.shape[-2], k.shape[-2]):
         # The export traced the mask, so a batch without padding still brings one; torch's
         # causal kernel skips the masked half that the masked kernel computes (module docstring).
-        attn_mask, is_causal = None, True
-    return _torch_sdpa(
-        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
-    )
+        return tensors[:3], True
+    return tensors, is_causal
+
+
+def _runs_in_blocks(tensors, dropout_p: float, is_causal: bool, enable_gqa: bool) -> bool:
+    """Whether the attention runs in more than one of :mod:`attention_blocks`' blocks."""
+    tensors, _ = _without_causal_mask(tensors, is_causal)
+    q, k = tensors[:2]
+    return attention_blocks.applies(q, dropout_p, _mask(tensors)) and attention_blocks.block_count(q, k, enable_gqa) > 1
 
 
 def _is_causal_mask(mask: torch.Tensor, query_length: int, key_length: int) -> bool:
@@ -105,16 +130,37 @@ def _causal(query_length: int, key_length: int, device: torch.device) -> torch.T
 
 
 def _backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-    """Run forward again from its generator state and differentiate it."""
+    """Run forward again from its generator state and differentiate it (block by block
+    where the attention runs in blocks)."""
     saved = ctx.saved_tensors
     wanted = ctx.needs_input_grad[: len(saved)]
-    leaves = tuple(t.detach().requires_grad_(need) for t, need in zip(saved, wanted))
     replay = _generators_at(ctx.states, saved[0].device) if ctx.states is not None else contextlib.nullcontext()
+    if _runs_in_blocks(saved, *_block_options(ctx.options)):
+        tensors, is_causal = _without_causal_mask(saved, ctx.options[1])
+        dropout_p, _, scale, enable_gqa = ctx.options
+        with replay:
+            grads = attention_blocks.gradients(tensors, grad_out, dropout_p, is_causal, scale, enable_gqa)
+        return tuple(grad if need else None for grad, need in zip(grads, wanted)) + (None,) * (len(saved) - 3)
+    leaves = tuple(t.detach().requires_grad_(need) for t, need in zip(saved, wanted))
     with torch.enable_grad(), replay:
         out = _attend(leaves, *ctx.options)
     differentiable = [leaf for leaf in leaves if leaf.requires_grad]
     grads = iter(torch.autograd.grad(out, differentiable, grad_out, allow_unused=True)) if differentiable else iter(())
     return tuple(next(grads) if leaf.requires_grad else None for leaf in leaves)
+
+
+def _block_options(options) -> tuple[float, bool, bool]:
+    dropout_p, is_causal, _, enable_gqa = options
+    return dropout_p, is_causal, enable_gqa
+
+
+def _recompute_forward(function, tensors, dropout_p, is_causal, scale, enable_gqa, apply_arguments):
+    """What a recompute clone runs: SDPA with autograd, unless the attention runs in more
+    than one block (its autograd graph would hold every block's tensors), where the
+    Function itself runs and its backward goes block by block."""
+    if _runs_in_blocks(tensors, dropout_p, is_causal, enable_gqa):
+        return function.apply(*apply_arguments)
+    return _attend(tensors, dropout_p, is_causal, scale, enable_gqa)
 
 
 class FusedAttention(torch.autograd.Function):
@@ -128,21 +174,36 @@ class FusedAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         return (*_backward(ctx, grad_out), None, None, None, None)
 
+    @staticmethod
+    def recompute_forward(q, k, v, dropout_p: float, is_causal: bool, scale: float, enable_gqa: bool):
+        """What a recompute clone runs (module docstring)."""
+        arguments = (q, k, v, dropout_p, is_causal, scale, enable_gqa)
+        return _recompute_forward(FusedAttention, (q, k, v), dropout_p, is_causal, scale, enable_gqa, arguments)
+
 
 class FusedMaskedAttention(torch.autograd.Function):
     """``scaled_dot_product_attention(q, k, v, attn_mask=mask)``, as one PythonOp."""
 
     @staticmethod
     def forward(ctx, q, k, v, mask, dropout_p: float, scale: float, enable_gqa: bool):
-        if mask.dtype == torch.uint8:
-            # ORT hands a bool tensor over DLPack as uint8 (measured on 1.19.2); SDPA takes
-            # no uint8 mask, so this is always the boolean mask, viewed without a copy.
-            mask = mask.view(torch.bool)
-        return _forward(ctx, (q, k, v, mask), dropout_p, False, scale, enable_gqa)
+        return _forward(ctx, (q, k, v, _boolean(mask)), dropout_p, False, scale, enable_gqa)
 
     @staticmethod
     def backward(ctx, grad_out):
         return (*_backward(ctx, grad_out), None, None, None)
+
+    @staticmethod
+    def recompute_forward(q, k, v, mask, dropout_p: float, scale: float, enable_gqa: bool):
+        """What a recompute clone runs (module docstring)."""
+        arguments = (q, k, v, mask, dropout_p, scale, enable_gqa)
+        tensors = (q, k, v, _boolean(mask))
+        return _recompute_forward(FusedMaskedAttention, tensors, dropout_p, False, scale, enable_gqa, arguments)
+
+
+def _boolean(mask: torch.Tensor) -> torch.Tensor:
+    # ORT hands a bool tensor over DLPack as uint8 (measured on 1.19.2); SDPA takes no
+    # uint8 mask, so this is always the boolean mask, viewed without a copy.
+    return mask.view(torch.bool) if mask.dtype == torch.uint8 else mask
 
 
 def _fused_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):

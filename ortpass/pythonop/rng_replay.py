@@ -11,7 +11,8 @@ torch's global generator and keeps its inputs in its ``ctx`` for backward.  Reco
 - the clone reads the same inputs plus those two states, runs in training mode with the
   generators set to the saved states (and restored afterwards, so the rest of the step
   sees the generator stream it would have seen without recompute), and its ``ctx`` is the
-  one ``PythonOpGrad`` reads;
+  one ``PythonOpGrad`` reads (an inner Function with a ``recompute_forward`` runs that
+  there: the clone's autograd graph then serves backward directly);
 - ``PythonOpGrad`` checks that backward returns one value per argument of the forward
   call, and the clone's call has two more (the states): it is replaced by one whose
   ``output_convention`` and outputs also cover them (their gradients are None, on two
@@ -171,7 +172,13 @@ def _define_base_classes() -> tuple[type, type]:
 
     class ReplayRngState(torch.autograd.Function):
         """Run ``inner`` (with autograd) from the generator states given as the last two
-        arguments, then put the generators back as they were."""
+        arguments, then put the generators back as they were.
+
+        The clone runs right before its backward, so there is nothing to save memory for
+        between the two: an inner Function that declares ``recompute_forward`` (the same
+        outputs, computed by differentiable torch code that keeps what autograd saves) runs
+        that instead of ``apply``, and its backward needs no second forward.
+        """
 
         inner: type
 
@@ -179,11 +186,12 @@ def _define_base_classes() -> tuple[type, type]:
         def apply(cls, *args):
             *inner_args, cpu, device = args
             devices = [torch.cuda.current_device()] if device.numel() else []
+            run = getattr(cls.inner, "recompute_forward", None) or cls.inner.apply
             with torch.random.fork_rng(devices=devices):
                 torch.set_rng_state(cpu.detach().cpu())
                 if devices:
                     torch.cuda.set_rng_state(device.detach().cpu())
-                return cls.inner.apply(*inner_args)
+                return run(*inner_args)
 
     return SaveRngState, ReplayRngState
 
