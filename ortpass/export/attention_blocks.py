@@ -1,4 +1,4 @@
-"""Attention with dropout on the CPU, a block of heads at a time.
+"""Attention with dropout on the CPU, a block at a time.
 
 With dropout on the CPU, torch's ``scaled_dot_product_attention`` takes its math kernel
 (the CPU flash kernel refuses dropout).  That kernel builds the scores, the probabilities,
@@ -7,8 +7,10 @@ autograd keeps three of them for backward: at seq 2048 with GPT-2's batch of 8 a
 that is 512 MiB a tensor, and the fused-attention PythonOp's backward peaked at about
 2.3 GiB on it.
 
-Here the same arithmetic runs on one block of (batch, head) slices at a time, each block's
-tensors at most :data:`BLOCK_BYTES`:
+Here the same arithmetic runs on one block of (batch, head, rows) slices at a time, each
+block's tensors at most :data:`BLOCK_BYTES` (small enough to stay in cache: 2x faster than
+whole heads at seq 2048, see docs/design/ort-facts.md); a causal block reads only the keys
+its rows see:
 
 - the dropout mask is drawn once for the whole attention, as torch draws its noise: one
   ``bernoulli_(1 - p)`` over a tensor of the same shape, but boolean (1 byte an element
@@ -22,25 +24,53 @@ tensors at most :data:`BLOCK_BYTES`:
   one block's intermediates live at a time (plus the boolean mask, drawn again from the
   forward's generator state).
 
-Measured on torch 2.14.1 (tests/test_attention_blocks.py): outputs and gradients equal
-torch's SDPA from the same generator state bit for bit on this machine's shapes; the tests
-allow float rounding.  A float mask (which may want a gradient) keeps torch's kernel.
+Measured on torch 2.14.1 (tests/test_attention_blocks.py): outputs equal torch's SDPA
+from the same generator state bit for bit on this machine's shapes; gradients too where a
+block holds whole heads (blocks of rows sum key gradients in another order: float rounding).  A float mask (which may want a gradient) keeps torch's kernel.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from typing import Iterator
 
 import torch
 
-__all__ = ["BLOCK_BYTES", "applies", "attend", "block_count", "gradients"]
+__all__ = ["BLOCK_BYTES", "GRAPH_BYTES", "applies", "attend", "block_count", "gradients", "keeps_graph"]
 
 logger = logging.getLogger(__name__)
 
-#: Most bytes one block's (heads, L, S) float tensor may take.
-BLOCK_BYTES = 32 * 2**20
+#: Most bytes one block's (heads, rows, keys) float tensor may take.
+BLOCK_BYTES = 4 * 2**20
+#: Up to this size of one (batch, heads, L, S) float tensor, a recompute clone keeps the
+#: attention's autograd graph for backward (three such tensors) instead of going block by
+#: block again in backward.
+GRAPH_BYTES = 32 * 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class _Block:
+    """Where one block reads: batch elements, query heads and rows; key/value heads and keys."""
+
+    batch: slice
+    heads: slice
+    rows: slice
+    kv_heads: slice
+    keys: slice
+
+    @property
+    def queries(self) -> tuple[slice, slice, slice]:
+        return self.batch, self.heads, self.rows
+
+    @property
+    def keys_values(self) -> tuple[slice, slice, slice]:
+        return self.batch, self.kv_heads, self.keys
+
+    @property
+    def scores(self) -> tuple[slice, slice, slice, slice]:
+        return self.batch, self.heads, self.rows, self.keys
 
 
 def applies(q: torch.Tensor, dropout_p: float, mask: torch.Tensor | None) -> bool:
@@ -50,16 +80,22 @@ def applies(q: torch.Tensor, dropout_p: float, mask: torch.Tensor | None) -> boo
     return dropout_p > 0 and q.device.type == "cpu" and q.dim() == 4 and boolean_or_none
 
 
-def block_count(q: torch.Tensor, k: torch.Tensor, enable_gqa: bool) -> int:
-    return sum(1 for _ in _blocks(q, k, enable_gqa))
+def keeps_graph(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether a recompute clone of this attention keeps its autograd graph (GRAPH_BYTES)."""
+    return q.shape[:-1].numel() * k.shape[-2] * q.element_size() <= GRAPH_BYTES
+
+
+def block_count(q: torch.Tensor, k: torch.Tensor, is_causal: bool, enable_gqa: bool) -> int:
+    return sum(1 for _ in _blocks(q, k, is_causal, enable_gqa))
 
 
 def attend(tensors, dropout_p: float, is_causal: bool, scale: float, enable_gqa: bool) -> torch.Tensor:
     """SDPA's value, block by block; draws the dropout mask from torch's generator."""
     q, k, v, mask, keep = _prepare(tensors, dropout_p)
     out = q.new_empty(q.shape[:-1] + v.shape[-1:])
-    for rows, kv_rows in _blocks(q, k, enable_gqa):
-        out[rows] = _block(q[rows], k[kv_rows], v[kv_rows], mask, keep, rows, dropout_p, is_causal, scale)
+    for block in _blocks(q, k, is_causal, enable_gqa):
+        kv = block.keys_values
+        out[block.queries] = _block(q[block.queries], k[kv], v[kv], mask, keep, block, dropout_p, is_causal, scale)
     return out
 
 
@@ -69,11 +105,12 @@ def gradients(tensors, grad_out: torch.Tensor, dropout_p: float, is_causal: bool
     call it from the generator state the forward started from."""
     q, k, v, mask, keep = _prepare(tensors, dropout_p)
     grads = [torch.zeros_like(t) for t in (q, k, v)]
-    for rows, kv_rows in _blocks(q, k, enable_gqa):
-        leaves = [t.detach().requires_grad_() for t in (q[rows], k[kv_rows], v[kv_rows])]
+    for block in _blocks(q, k, is_causal, enable_gqa):
+        where = (block.queries, block.keys_values, block.keys_values)
+        leaves = [t[index].detach().requires_grad_() for t, index in zip((q, k, v), where)]
         with torch.enable_grad():
-            out = _block(*leaves, mask, keep, rows, dropout_p, is_causal, scale)
-        for total, index, grad in zip(grads, (rows, kv_rows, kv_rows), torch.autograd.grad(out, leaves, grad_out[rows])):
+            out = _block(*leaves, mask, keep, block, dropout_p, is_causal, scale)
+        for total, index, grad in zip(grads, where, torch.autograd.grad(out, leaves, grad_out[block.queries])):
             total[index] += grad
     return grads
 
@@ -88,39 +125,46 @@ def _prepare(tensors, dropout_p: float):
     return q, k, v, mask, keep
 
 
-def _blocks(q: torch.Tensor, k: torch.Tensor, enable_gqa: bool) -> Iterator[tuple[tuple, tuple]]:
-    """(query index, key/value index) per block: whole key/value heads with the query
-    heads that read them, or whole batch elements where an element's heads fit in one."""
+def _blocks(q: torch.Tensor, k: torch.Tensor, is_causal: bool, enable_gqa: bool) -> Iterator[_Block]:
+    """Blocks of at most BLOCK_BYTES: whole batch elements where they fit, else whole
+    key/value heads with the query heads that read them, else rows of one such head; a
+    causal block of rows reads only the keys its last row sees."""
     batch, heads, length, _ = q.shape
-    kv_heads = k.shape[-3]
+    kv_heads, keys = k.shape[-3], k.shape[-2]
     group = heads // kv_heads if enable_gqa else 1
-    per_block = max(1, BLOCK_BYTES // (group * length * k.shape[-2] * q.element_size()))
-    if per_block >= kv_heads:
-        step = per_block // kv_heads
+    row_bytes = group * keys * q.element_size()  # one query row of each head a kv head serves
+    every = slice(None)
+    if kv_heads * length * row_bytes <= BLOCK_BYTES:
+        step = BLOCK_BYTES // (kv_heads * length * row_bytes)
         for start in range(0, batch, step):
-            yield (slice(start, start + step),), (slice(start, start + step),)
+            yield _Block(slice(start, start + step), every, every, every, every)
         return
+    head_step = BLOCK_BYTES // (length * row_bytes)
+    row_step = length if head_step else max(1, BLOCK_BYTES // row_bytes)
     for element in range(batch):
-        for start in range(0, kv_heads, per_block):
-            stop = min(start + per_block, kv_heads)
-            yield (element, slice(start * group, stop * group)), (element, slice(start, stop))
+        for head in range(0, kv_heads, max(head_step, 1)):
+            last_head = min(head + max(head_step, 1), kv_heads)
+            for row in range(0, length, row_step):
+                last_row = min(row + row_step, length)
+                seen = slice(0, min(last_row, keys)) if is_causal else every
+                yield _Block(slice(element, element + 1), slice(head * group, last_head * group),
+                             slice(row, last_row), slice(head, last_head), seen)  # fmt: skip
 
 
-def _block(q, k, v, mask, keep, rows, dropout_p: float, is_causal: bool, scale: float) -> torch.Tensor:
-    """The math kernel's steps on one block (``rows`` indexes ``mask`` and ``keep``)."""
+def _block(q, k, v, mask, keep, block: _Block, dropout_p: float, is_causal: bool, scale: float) -> torch.Tensor:
+    """The math kernel's steps on one block (``block`` indexes ``mask`` and ``keep``)."""
     if q.shape[-3] != k.shape[-3]:  # grouped-query attention: each key/value head serves a group
         k, v = (t.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3) for t in (k, v))
     factor = math.sqrt(scale)
     scores = (q * factor) @ (k.transpose(-2, -1) * factor)
     if is_causal:
-        scores = scores.masked_fill(~_causal(q.shape[-2], k.shape[-2], q.device), float("-inf"))
+        first_row = block.rows.start or 0
+        seen = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril(diagonal=first_row)
+        scores = scores.masked_fill(~seen, float("-inf"))
     elif mask is not None:
-        scores = scores.masked_fill(~mask[rows], float("-inf"))
+        scores = scores.masked_fill(~mask[block.scores], float("-inf"))
     # torch's math kernel softmax: a row with every key masked gets 0s, not NaNs.
     probabilities = torch._safe_softmax(scores, -1)
-    noise = keep[rows].to(probabilities.dtype).div_(1 - dropout_p)
+    # torch's noise is bernoulli(1 - p) / (1 - p) in the tensor's dtype: keep * that.
+    noise = keep[block.scores] * probabilities.new_ones(()).div_(1 - dropout_p)
     return (probabilities * noise) @ v
-
-
-def _causal(query_length: int, key_length: int, device: torch.device) -> torch.Tensor:
-    return torch.ones(query_length, key_length, dtype=torch.bool, device=device).tril()

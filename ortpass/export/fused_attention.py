@@ -109,13 +109,6 @@ def _without_causal_mask(tensors, is_causal: bool):
     return tensors, is_causal
 
 
-def _runs_in_blocks(tensors, dropout_p: float, is_causal: bool, enable_gqa: bool) -> bool:
-    """Whether the attention runs in more than one of :mod:`attention_blocks`' blocks."""
-    tensors, _ = _without_causal_mask(tensors, is_causal)
-    q, k = tensors[:2]
-    return attention_blocks.applies(q, dropout_p, _mask(tensors)) and attention_blocks.block_count(q, k, enable_gqa) > 1
-
-
 def _is_causal_mask(mask: torch.Tensor, query_length: int, key_length: int) -> bool:
     """``mask`` is boolean and equals SDPA's ``is_causal`` mask, ``ones(L, S).tril()``, for
     every batch element and head."""
@@ -131,13 +124,13 @@ def _causal(query_length: int, key_length: int, device: torch.device) -> torch.T
 
 def _backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     """Run forward again from its generator state and differentiate it (block by block
-    where the attention runs in blocks)."""
+    where :mod:`attention_blocks` runs the attention)."""
     saved = ctx.saved_tensors
     wanted = ctx.needs_input_grad[: len(saved)]
     replay = _generators_at(ctx.states, saved[0].device) if ctx.states is not None else contextlib.nullcontext()
-    if _runs_in_blocks(saved, *_block_options(ctx.options)):
-        tensors, is_causal = _without_causal_mask(saved, ctx.options[1])
-        dropout_p, _, scale, enable_gqa = ctx.options
+    dropout_p, is_causal, scale, enable_gqa = ctx.options
+    tensors, is_causal = _without_causal_mask(saved, is_causal)
+    if attention_blocks.applies(tensors[0], dropout_p, _mask(tensors)):
         with replay:
             grads = attention_blocks.gradients(tensors, grad_out, dropout_p, is_causal, scale, enable_gqa)
         return tuple(grad if need else None for grad, need in zip(grads, wanted)) + (None,) * (len(saved) - 3)
@@ -149,16 +142,13 @@ def _backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     return tuple(next(grads) if leaf.requires_grad else None for leaf in leaves)
 
 
-def _block_options(options) -> tuple[float, bool, bool]:
-    dropout_p, is_causal, _, enable_gqa = options
-    return dropout_p, is_causal, enable_gqa
-
-
 def _recompute_forward(function, tensors, dropout_p, is_causal, scale, enable_gqa, apply_arguments):
-    """What a recompute clone runs: SDPA with autograd, unless the attention runs in more
-    than one block (its autograd graph would hold every block's tensors), where the
-    Function itself runs and its backward goes block by block."""
-    if _runs_in_blocks(tensors, dropout_p, is_causal, enable_gqa):
+    """What a recompute clone runs: SDPA with autograd, unless :mod:`attention_blocks` runs
+    an attention larger than its GRAPH_BYTES (the graph would hold three tensors of that
+    size), where the Function itself runs and its backward goes block by block."""
+    plain, _ = _without_causal_mask(tensors, is_causal)
+    q, k = plain[:2]
+    if attention_blocks.applies(q, dropout_p, _mask(plain)) and not attention_blocks.keeps_graph(q, k):
         return function.apply(*apply_arguments)
     return _attend(tensors, dropout_p, is_causal, scale, enable_gqa)
 
