@@ -114,8 +114,8 @@ def child_prepare(work: Path, family: str, seq: int) -> dict:
     ir.save(training, work / "ort.onnx")
     info["nodes"]["ort"] = len(training.graph)
     rm._save_ort_module_graph(training, work)
-    # ORTModule's default, fused_attention="auto", fuses the attention calls without dropout:
-    # the run records which of the two rows below that default is for this model.
+    # ORTModule's default, fused_attention="auto", fuses the attention calls without dropout
+    # and the large ones with it: the run records which of the two rows below that default is.
     auto = export(_loss_module(model), args, input_names=list(batch), fused_attention="auto")
     info["auto_fuses"] = any(node.op_type == "PythonOp" for node in auto.graph)
     for key, fused in (("ortpass", False), ("ortpass_fused", True)):

@@ -33,10 +33,10 @@ def _blocks_step(q, k, v, grad_out, seed, mask=None, dropout_p=0.0, is_causal=Fa
     tensors = tuple(t.detach() for t in (q, k, v)) + ((mask,) if mask is not None else ())
     scale = q.shape[-1] ** -0.5
     torch.manual_seed(seed)
-    out = attention_blocks.attend(tensors, dropout_p, is_causal, scale, enable_gqa)
+    out, keep_bits = attention_blocks.attend(tensors, dropout_p, is_causal, scale, enable_gqa)
     after_forward = torch.get_rng_state()
-    torch.manual_seed(seed)
-    grads = attention_blocks.gradients(tensors, grad_out, dropout_p, is_causal, scale, enable_gqa)
+    grads = attention_blocks.gradients(tensors, keep_bits, grad_out, dropout_p, is_causal, scale, enable_gqa)
+    assert torch.equal(torch.get_rng_state(), after_forward)  # backward draws nothing
     return out, grads, after_forward
 
 
@@ -83,6 +83,21 @@ def test_blocks_equal_torchs_sdpa_with_the_same_dropout_mask(monkeypatch, case, 
     torch.manual_seed(7)
     _TORCH_SDPA(q.detach(), k.detach(), v.detach(), **options)
     assert torch.equal(after_forward, torch.get_rng_state())
+
+
+@pytest.mark.parametrize("keys, is_causal", [(24, False), (21, False), (21, True), (5, True)])
+def test_the_packed_mask_gives_back_each_blocks_mask(monkeypatch, keys, is_causal):
+    """Eight elements a byte, padded where the keys are not a multiple of 8; a causal
+    block unpacks only the keys it reads."""
+    monkeypatch.setattr(attention_blocks, "BLOCK_BYTES", 3 * keys * 4)  # 3 rows a block
+    q, k, _ = _inputs(length=21, keys=keys)
+    keep = torch.rand(2, 4, 21, keys, generator=torch.Generator().manual_seed(5)) > 0.5
+    bits = attention_blocks._pack(keep)
+    assert bits.dtype == torch.uint8 and bits.shape == (2, 4, 21, -(-keys // 8))
+    blocks = list(attention_blocks._blocks(q, k, is_causal, False))
+    assert len(blocks) == 2 * 4 * 7
+    for block in blocks:
+        assert torch.equal(attention_blocks._unpack(bits, block, keys), keep[block.scores])
 
 
 def test_a_different_generator_state_draws_a_different_mask():

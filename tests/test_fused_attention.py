@@ -240,9 +240,12 @@ def test_gpt2_with_attention_dropout_matches_torch_with_recompute(gpt2):
         np.testing.assert_allclose(step.gradients[name], expected, rtol=0, atol=1e-5 * max(np.abs(expected).max(), 1e-3))
 
 
-def test_auto_fuses_only_the_attention_calls_without_dropout(gpt2):
+def test_auto_fuses_the_calls_without_dropout_and_the_large_ones(gpt2, monkeypatch):
     """``fused_attention="auto"`` (ORTModule's default): GPT-2's attention dropout 0.1
-    keeps the decomposition; the same model with attention dropout 0 gets the PythonOps."""
+    keeps the decomposition while its attention is small; the same model with attention
+    dropout 0, or with an attention of AUTO_DROPOUT_BYTES or more, gets the PythonOps."""
+    from ortpass.export import fused_attention
+
     module = _Loss(gpt2)
     ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
     batch = (ids, torch.ones_like(ids), ids)
@@ -254,6 +257,12 @@ def test_auto_fuses_only_the_attention_calls_without_dropout(gpt2):
         block.attn.attn_dropout.p = 0.0  # what GPT2Attention passes to SDPA as dropout_p
     fused = export(_Loss(without), batch, input_names=names, fused_attention="auto")
     assert len(_pythonops(fused)) == 2
+    # (batch 2, heads, 16, 16) float: the threshold at exactly its size fuses, one byte more does not.
+    attention = 2 * gpt2.config.n_head * 16 * 16 * 4
+    monkeypatch.setattr(fused_attention, "AUTO_DROPOUT_BYTES", attention + 1)
+    assert _pythonops(export(module, batch, input_names=names, fused_attention="auto")) == []
+    monkeypatch.setattr(fused_attention, "AUTO_DROPOUT_BYTES", attention)
+    assert len(_pythonops(export(module, batch, input_names=names, fused_attention="auto"))) == 2
 
 
 @pytest.mark.parametrize("value", ["yes", 1, None])

@@ -18,7 +18,10 @@ nodes (ORT runs them through ortpass's torch bridge):
 
 Their forward runs torch's SDPA without building a graph and keeps only its inputs and,
 with dropout, the generator state it started from; backward runs SDPA again from that
-state and differentiates it.  So the PythonOp costs one extra attention forward in
+state and differentiates it.  With dropout on the CPU, where torch's SDPA takes its math
+kernel and builds several (batch, heads, L, S) float tensors, both run the same arithmetic
+block by block instead (:mod:`ortpass.export.attention_blocks`), and forward keeps the
+dropout mask it drew, packed into bits, so backward draws nothing.  So the PythonOp costs one extra attention forward in
 backward and holds no seq x seq tensor between forward and backward, which is what
 FlashAttention's own Function does.  Both Functions are registered as recomputable
 attention (the recompute analysis may clone them, replaying the generator state, and
@@ -53,12 +56,19 @@ import torch.nn.functional as F
 
 from ortpass.export import attention_blocks
 
-__all__ = ["FusedAttention", "FusedMaskedAttention", "fused_attention_export"]
+__all__ = ["AUTO_DROPOUT_BYTES", "FusedAttention", "FusedMaskedAttention", "fused_attention_export"]
 
 logger = logging.getLogger(__name__)
 
 #: torch's own SDPA, taken before anything patches the name.
 _torch_sdpa = F.scaled_dot_product_attention
+
+#: ``fused_attention="auto"`` fuses a call with attention dropout when one (batch, heads,
+#: L, S) float tensor of it is at least this large at export.  HF GPT-2 (attention dropout
+#: 0.1, batch 8, 4 heads; README "Fused attention"): at seq 512 (32 MiB) fused and
+#: decomposed held the same step peak (212 and 216 MiB) and fused took 1.06x the time; at
+#: seq 2048 (512 MiB) fused held 480 MiB against 2964 and beat torch with checkpointing.
+AUTO_DROPOUT_BYTES = 64 * 2**20
 
 
 def _generator_states(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -82,17 +92,21 @@ def _forward(ctx, tensors: tuple[torch.Tensor, ...], dropout_p: float, is_causal
     ctx.states = _generator_states(q.device) if dropout_p > 0 else None
     ctx.options = (dropout_p, is_causal, scale, enable_gqa)
     ctx.save_for_backward(*tensors)
-    return _attend(tensors, *ctx.options)
+    out, ctx.keep_bits = _attend(tensors, *ctx.options)
+    return out
 
 
-def _attend(tensors, dropout_p, is_causal, scale, enable_gqa):
+def _attend(tensors, dropout_p, is_causal, scale, enable_gqa) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The attention's value, and its dropout mask packed into bits where
+    :mod:`attention_blocks` ran it (None where torch's SDPA did)."""
     tensors, is_causal = _without_causal_mask(tensors, is_causal)
     if attention_blocks.applies(tensors[0], dropout_p, _mask(tensors)):
         return attention_blocks.attend(tensors, dropout_p, is_causal, scale, enable_gqa)
     q, k, v = tensors[:3]
-    return _torch_sdpa(
+    out = _torch_sdpa(
         q, k, v, attn_mask=_mask(tensors), dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
     )
+    return out, None
 
 
 def _mask(tensors) -> torch.Tensor | None:
@@ -123,20 +137,19 @@ def _causal(query_length: int, key_length: int, device: torch.device) -> torch.T
 
 
 def _backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-    """Run forward again from its generator state and differentiate it (block by block
-    where :mod:`attention_blocks` runs the attention)."""
+    """Run forward again from its generator state and differentiate it; where
+    :mod:`attention_blocks` ran the attention, go block by block with forward's mask."""
     saved = ctx.saved_tensors
     wanted = ctx.needs_input_grad[: len(saved)]
-    replay = _generators_at(ctx.states, saved[0].device) if ctx.states is not None else contextlib.nullcontext()
-    dropout_p, is_causal, scale, enable_gqa = ctx.options
-    tensors, is_causal = _without_causal_mask(saved, is_causal)
-    if attention_blocks.applies(tensors[0], dropout_p, _mask(tensors)):
-        with replay:
-            grads = attention_blocks.gradients(tensors, grad_out, dropout_p, is_causal, scale, enable_gqa)
+    if ctx.keep_bits is not None:
+        dropout_p, is_causal, scale, enable_gqa = ctx.options
+        tensors, is_causal = _without_causal_mask(saved, is_causal)
+        grads = attention_blocks.gradients(tensors, ctx.keep_bits, grad_out, dropout_p, is_causal, scale, enable_gqa)
         return tuple(grad if need else None for grad, need in zip(grads, wanted)) + (None,) * (len(saved) - 3)
+    replay = _generators_at(ctx.states, saved[0].device) if ctx.states is not None else contextlib.nullcontext()
     leaves = tuple(t.detach().requires_grad_(need) for t, need in zip(saved, wanted))
     with torch.enable_grad(), replay:
-        out = _attend(leaves, *ctx.options)
+        out, _ = _attend(leaves, *ctx.options)
     differentiable = [leaf for leaf in leaves if leaf.requires_grad]
     grads = iter(torch.autograd.grad(out, differentiable, grad_out, allow_unused=True)) if differentiable else iter(())
     return tuple(next(grads) if leaf.requires_grad else None for leaf in leaves)
@@ -150,7 +163,7 @@ def _recompute_forward(function, tensors, dropout_p, is_causal, scale, enable_gq
     q, k = plain[:2]
     if attention_blocks.applies(q, dropout_p, _mask(plain)) and not attention_blocks.keeps_graph(q, k):
         return function.apply(*apply_arguments)
-    return _attend(tensors, dropout_p, is_causal, scale, enable_gqa)
+    return _attend(tensors, dropout_p, is_causal, scale, enable_gqa)[0]
 
 
 class FusedAttention(torch.autograd.Function):
@@ -209,29 +222,25 @@ def _fused_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fals
     return FusedMaskedAttention.apply(query, key, value, attn_mask, dropout_p, scale, bool(enable_gqa))
 
 
-def _fused_sdpa_without_dropout(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                                enable_gqa=False):  # fmt: skip
-    """The PythonOp for a call without dropout; torch's SDPA (exported decomposed) for one with."""
-    sdpa = _torch_sdpa if float(dropout_p) > 0 else _fused_sdpa
+def _fused_sdpa_auto(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """The PythonOp for a call without dropout or with a large attention (see
+    :data:`AUTO_DROPOUT_BYTES`); torch's SDPA, exported decomposed, for the others."""
+    fuse = float(dropout_p) == 0 or attention_blocks.attention_bytes(query, key) >= AUTO_DROPOUT_BYTES
+    sdpa = _fused_sdpa if fuse else _torch_sdpa
     return sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                 enable_gqa=enable_gqa)  # fmt: skip
 
 
 @contextlib.contextmanager
-def fused_attention_export(without_dropout_only: bool = False) -> Iterator[None]:
+def fused_attention_export(auto: bool = False) -> Iterator[None]:
     """While active, ``torch.nn.functional.scaled_dot_product_attention`` exports as a
     PythonOp (callers that look the name up at call time, as transformers does).
 
-    ``without_dropout_only``: only the calls whose ``dropout_p`` is 0; a call with attention
-    dropout exports decomposed.  With dropout torch's SDPA takes its math kernel, which
-    the PythonOp runs three times a step under recompute (forward, clone, backward's
-    re-run): HF GPT-2 (attention dropout 0.1) took 2.81 s a step against 1.98 decomposed,
-    where LLaMA (none, torch's flash kernel) took 1.38-1.65 against 1.50-1.58 in two runs,
-    for 124 MiB of step peak against 249 (benchmarks/hf_memory.md).
+    ``auto``: only the calls without attention dropout and those whose attention at export
+    is at least :data:`AUTO_DROPOUT_BYTES`; the others export decomposed.
     """
-    F.scaled_dot_product_attention = _fused_sdpa_without_dropout if without_dropout_only else _fused_sdpa
+    F.scaled_dot_product_attention = _fused_sdpa_auto if auto else _fused_sdpa
     try:
         yield
     finally:
         F.scaled_dot_product_attention = _torch_sdpa
-

@@ -60,7 +60,8 @@ def export(
         fused_attention: export every ``torch.nn.functional.scaled_dot_product_attention``
             call as one recomputable PythonOp running torch's fused kernel
             (:mod:`ortpass.export.fused_attention`) instead of its decomposition;
-            ``"auto"``: only the calls without attention dropout (where it is faster too).
+            ``"auto"``: the calls without attention dropout (where it is faster too) and
+            those with dropout whose attention is large (``AUTO_DROPOUT_BYTES`` there).
         training: False exports the module in eval mode (no Dropout, no density probe)
             for a forward-only graph, whose first output need not be a loss.
 
@@ -136,7 +137,7 @@ def _run_torchscript_export(
             if fused_attention:
                 from ortpass.export.fused_attention import fused_attention_export
 
-                hooks.enter_context(fused_attention_export(without_dropout_only=fused_attention == "auto"))
+                hooks.enter_context(fused_attention_export(auto=fused_attention == "auto"))
             if density_threshold is not None:
                 probe = hooks.enter_context(density_probe(module, threshold=density_threshold))
             # The TorchScript exporter is deprecated in favour of dynamo; it is the path that

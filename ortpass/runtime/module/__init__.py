@@ -208,7 +208,8 @@ class ORTModule(torch.nn.Module):
             running torch's kernel (``ortpass.export.export(fused_attention=True)``): no
             seq x seq tensor is kept between forward and backward.  Default ``"auto"``: the
             calls without attention dropout (LLaMA-like models), where it is faster as well
-            as smaller; a call with dropout exports decomposed (README, "Fused attention").
+            as smaller, and calls with dropout whose attention at the first batch is large
+            (``AUTO_DROPOUT_BYTES``); the others export decomposed (README, "Fused attention").
 
     ``state_dict()`` keys carry the ``module.`` prefix (as with DDP); the wrapped module is
     ``.module``.  ``graph_builds`` counts exports in this process.
