@@ -357,6 +357,16 @@ def _sdpa_calls(monkeypatch) -> list[bool]:
     return calls
 
 
+def _assert_matches_torch_eager(step, module, x, seed):
+    """The ORT step's loss and gradients equal a torch eager step's from the same seed."""
+    torch.manual_seed(seed)
+    loss = module(x)
+    loss.backward()
+    assert step.loss == pytest.approx(loss.item(), rel=1e-6)
+    for name, param in module.named_parameters():
+        np.testing.assert_allclose(step.gradients[name], param.grad.numpy(), rtol=1e-5, atol=1e-7)
+
+
 def test_recomputed_attention_replays_its_dropout_mask(monkeypatch):
     """The attention PythonOp recomputed in backward (RNG state replayed): its clone's ctx
     feeds PythonOpGrad, and the gradients equal torch eager's from the same seed, so the
@@ -372,17 +382,13 @@ def test_recomputed_attention_replays_its_dropout_mask(monkeypatch):
     calls = _sdpa_calls(monkeypatch)
     step = _step_on_ort(result.model, {"input_0": x}, seed=5)
     assert calls == [False, True]
-    torch.manual_seed(5)
-    loss = module(x)
-    loss.backward()
-    assert step.loss == pytest.approx(loss.item(), rel=1e-6)
-    for name, param in module.named_parameters():
-        np.testing.assert_allclose(step.gradients[name], param.grad.numpy(), rtol=1e-5, atol=1e-7)
+    _assert_matches_torch_eager(step, module, x, seed=5)
 
 
 def test_attention_trained_without_recompute_runs_forward_again_in_backward(monkeypatch):
-    """Without recompute the forward PythonOp keeps only its inputs (no seq x seq tensor
-    waits for backward), and backward runs SDPA again from forward's generator state."""
+    """Without recompute the forward PythonOp keeps only its inputs and its dropout mask
+    as bits (no seq x seq float tensor waits for backward), and backward runs the
+    attention again with that mask: the gradients equal torch eager's."""
     torch.manual_seed(0)
     module = _CausalBlock()
     x = torch.randn(2, 6, 16)
@@ -391,9 +397,4 @@ def test_attention_trained_without_recompute_runs_forward_again_in_backward(monk
     calls = _sdpa_calls(monkeypatch)
     step = _step_on_ort(training, {"input_0": x}, seed=5)
     assert calls == [False, True]  # forward without a graph; backward's re-run with one
-    torch.manual_seed(5)
-    loss = module(x)
-    loss.backward()
-    assert step.loss == pytest.approx(loss.item(), rel=1e-6)
-    for name, param in module.named_parameters():
-        np.testing.assert_allclose(step.gradients[name], param.grad.numpy(), rtol=1e-5, atol=1e-7)
+    _assert_matches_torch_eager(step, module, x, seed=5)
