@@ -18,12 +18,12 @@ nodes (ORT runs them through ortpass's torch bridge):
 
 Their forward runs torch's SDPA without building a graph and keeps only its inputs and,
 with dropout, the generator state it started from; backward runs SDPA again from that
-state and differentiates it.  With dropout on the CPU, where torch's SDPA takes its math
-kernel and builds several (batch, heads, L, S) float tensors, both run the same arithmetic
-block by block instead (:mod:`ortpass.export.attention_blocks`), and forward keeps the
-dropout mask it drew, packed into bits, so backward draws nothing.  So the PythonOp costs one extra attention forward in
+state and differentiates it.  So the PythonOp costs one extra attention forward in
 backward and holds no seq x seq tensor between forward and backward, which is what
-FlashAttention's own Function does.  Both Functions are registered as recomputable
+FlashAttention's own Function does.  With dropout on the CPU, where torch's SDPA takes its
+math kernel and builds several (batch, heads, L, S) float tensors, both run the same
+arithmetic block by block instead (:mod:`ortpass.export.attention_blocks`), and forward
+keeps the dropout mask it drew, packed into bits, so backward draws nothing.  Both Functions are registered as recomputable
 attention (the recompute analysis may clone them, replaying the generator state, and
 layer detection sees them) under their func_names in :mod:`ortpass.conventions`, so a
 process that only loads an exported model knows them without importing torch.  A
@@ -66,8 +66,9 @@ _torch_sdpa = F.scaled_dot_product_attention
 #: ``fused_attention="auto"`` fuses a call with attention dropout when one (batch, heads,
 #: L, S) float tensor of it is at least this large at export.  HF GPT-2 (attention dropout
 #: 0.1, batch 8, 4 heads; README "Fused attention"): at seq 512 (32 MiB) fused and
-#: decomposed held the same step peak (212 and 216 MiB) and fused took 1.06x the time; at
-#: seq 2048 (512 MiB) fused held 480 MiB against 2964 and beat torch with checkpointing.
+#: decomposed held the same step peak (212 and 216 MiB) and fused took 1.05-1.10x the time;
+#: at seq 1024 (128 MiB) decomposed held 780 MiB, above torch with checkpointing's 708, and
+#: fused 240; at seq 2048 (512 MiB) fused held 487 MiB against 2964.
 AUTO_DROPOUT_BYTES = 64 * 2**20
 
 
@@ -159,9 +160,8 @@ def _recompute_forward(function, tensors, dropout_p, is_causal, scale, enable_gq
     """What a recompute clone runs: SDPA with autograd, unless :mod:`attention_blocks` runs
     an attention larger than its GRAPH_BYTES (the graph would hold three tensors of that
     size), where the Function itself runs and its backward goes block by block."""
-    plain, _ = _without_causal_mask(tensors, is_causal)
-    q, k = plain[:2]
-    if attention_blocks.applies(q, dropout_p, _mask(plain)) and not attention_blocks.keeps_graph(q, k):
+    q, k = tensors[:2]
+    if attention_blocks.applies(q, dropout_p, _mask(tensors)) and not attention_blocks.keeps_graph(q, k):
         return function.apply(*apply_arguments)
     return _attend(tensors, dropout_p, is_causal, scale, enable_gqa)[0]
 
