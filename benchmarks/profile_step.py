@@ -3,9 +3,9 @@
 Graphs: ``hf_memory.py``'s (HF GPT-2 and LLaMA, 4 layers, hidden 256, 4 heads, vocab 2048,
 batch 8, seq 512; ``--seq`` to change it): ORT without recompute, ortpass's default
 pipeline, and the default pipeline on the fused-attention export.  Each runs in a session
-with :class:`ortpass.runtime.TrainingSession`'s options (``training_options``: no memory
-reuse or pattern, no thread spinning where PythonOps run torch; the same disabled
-optimizers) and ORT's profiler on; after a warm-up step, ``--steps`` steps are profiled and
+with glibc's defaults and :class:`ortpass.runtime.TrainingSession`'s options
+(``training_options``: no memory reuse or pattern, no thread spinning where PythonOps run
+torch; the same disabled optimizers) and ORT's profiler on; after a warm-up step, ``--steps`` steps are profiled and
 the kernel time (``*_kernel_time`` events) is summed per op type.
 PythonOp and PythonOpGrad time is torch's kernels called through ortpass's bridge.
 
@@ -35,8 +35,12 @@ def profile(work: Path, key: str, steps: int) -> dict:
     """Kernel microseconds per op type over ``steps`` profiled steps of ``<key>.onnx``."""
     import numpy as np
     import onnx_ir as ir
-    import onnxruntime as ort
 
+    # The same ORT load as hf_memory's timing runs (without onnxruntime/__init__, which
+    # imports onnxruntime.training and torch's ORTModule machinery), so the profile explains
+    # those times (one run of GPT-2's fused step: 2.5-2.8 s a step with the full import,
+    # 2.2-2.4 without).
+    ort, InferenceSession = hf_memory.rm._load_ort()
     from ortpass.pythonop.rng_replay import register_rng_replay_functions
     from ortpass.pythonop import bridge
     from ortpass.runtime.session import disabled_optimizers, training_options
@@ -49,7 +53,7 @@ def profile(work: Path, key: str, steps: int) -> dict:
     options = training_options(ort, runs_torch=runs_torch)
     options.enable_profiling = True
     options.profile_file_prefix = str(work / f"profile_{key}")
-    session = ort.InferenceSession(
+    session = InferenceSession(
         str(work / f"{key}.onnx"), options, providers=["CPUExecutionProvider"], disabled_optimizers=disabled_optimizers(model)
     )
     feeds = dict(np.load(work / "batch.npz"))
@@ -79,7 +83,9 @@ def run(families: list[str], seq: int, steps: int) -> dict:
 
 
 def _child(*args: str) -> dict:
-    return hf_memory.rm._run_child(*args, script=__file__)
+    # timing=True: the settings a user runs.  The memory run's glibc mmap threshold makes
+    # every tensor an mmap (GPT-2 fused: 3.29 s a profiled step under it, 2.72 s without).
+    return hf_memory.rm._run_child(*args, script=__file__, timing=True)
 
 
 def markdown(results: dict) -> str:
