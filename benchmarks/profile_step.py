@@ -5,8 +5,9 @@ batch 8, seq 512; ``--seq`` to change it): ORT without recompute, ortpass's defa
 pipeline, and the default pipeline on the fused-attention export.  Each runs in a session
 with glibc's defaults and :class:`ortpass.runtime.TrainingSession`'s options
 (``training_options``: no memory reuse or pattern, no thread spinning where PythonOps run
-torch; the same disabled optimizers) and ORT's profiler on; after a warm-up step, ``--steps`` steps are profiled and
-the kernel time (``*_kernel_time`` events) is summed per op type.
+torch; the same disabled optimizers) and ORT's profiler on; after a warm-up step,
+``--steps`` steps are profiled and the kernel time (``*_kernel_time`` events) is summed per
+op type.
 PythonOp and PythonOpGrad time is torch's kernels called through ortpass's bridge.
 
 Usage: ``python benchmarks/profile_step.py [--models gpt2 llama] [--steps 2]``.  Writes
@@ -40,7 +41,7 @@ def profile(work: Path, key: str, steps: int) -> dict:
     # imports onnxruntime.training and torch's ORTModule machinery), so the profile explains
     # those times (one run of GPT-2's fused step: 2.5-2.8 s a step with the full import,
     # 2.2-2.4 without).
-    ort, InferenceSession = hf_memory.rm._load_ort()
+    C, InferenceSession = hf_memory.rm._load_ort()
     from ortpass.pythonop.rng_replay import register_rng_replay_functions
     from ortpass.pythonop import bridge
     from ortpass.runtime.session import disabled_optimizers, training_options
@@ -50,7 +51,7 @@ def profile(work: Path, key: str, steps: int) -> dict:
     if runs_torch:
         register_rng_replay_functions(model)
         bridge.prepare(model)
-    options = training_options(ort, runs_torch=runs_torch)
+    options = training_options(C, runs_torch=runs_torch)
     options.enable_profiling = True
     options.profile_file_prefix = str(work / f"profile_{key}")
     session = InferenceSession(
