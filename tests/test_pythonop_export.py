@@ -256,3 +256,41 @@ def test_function_whose_inputs_need_no_gradient_exports_in_inference_mode():
     (node,) = _pythonops(_export(_OnPlainInput(), (torch.randn(2, 3),)))
     assert _attrs(node)["input_requires_grads"] == [0, 0]
     assert _attrs(node)["training_mode"] == 0
+
+
+class _Doubled(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
+class _ReshapesByOutputShape(torch.nn.Module):
+    """Reads the Function output's batch size, as transformers' SDPA path does with
+    ``attn_output.shape[0]``: it must stay a run-time value, not the export batch's."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(6, 1)
+
+    def forward(self, x):
+        out = _Doubled.apply(x)
+        return self.linear(out.reshape(out.shape[0], -1)).square().mean()
+
+
+def test_function_output_sizes_stay_symbolic_so_another_batch_size_runs_right():
+    import ortpass
+    from ortpass.export import export
+    from ortpass.runtime import TrainingSession
+
+    torch.manual_seed(0)
+    module = _ReshapesByOutputShape()
+    forward = export(module, (torch.randn(2, 3, 2),), input_names=["x"], dynamic_axes={"x": {0: "batch"}})
+    reshape = next(n for n in forward.graph if n.op_type == "Reshape")
+    assert reshape.inputs[1].const_value is None and reshape.inputs[1].producer().op_type != "Constant"
+    session = TrainingSession(ortpass.pipeline("build-training-graph")(forward).model)
+    x = torch.randn(3, 3, 2)  # another batch size than the export's
+    assert session.run({"x": x}).loss == pytest.approx(module(x).item(), rel=1e-6)

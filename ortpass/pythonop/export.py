@@ -200,9 +200,23 @@ def _emit_pythonop(g, call: FunctionCall, training: bool):
     ctx, *outputs = values
     ctx.setType(torch._C.TensorType.create_from_tensor(torch.zeros((), dtype=torch.int64)))
     for value, traced in zip(outputs, call.outputs):
-        value.setType(traced.type())
+        value.setType(_with_unknown_sizes(traced.type()))
     record_exported(call.func_name, call.function)
     return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+
+def _with_unknown_sizes(traced: Any) -> Any:
+    """The traced type of a Function's output with its dtype and rank but no sizes.
+
+    The tracer types an output with the sizes of the sample batch, and torch.onnx's shape
+    inference then folds ``out.shape[0]`` into a constant: transformers' SDPA path reshapes
+    the attention output with it, so a graph exported at batch 2 mixed rows across samples
+    at batch 3 (the fused attention PythonOp).  Unknown sizes keep that shape computed
+    at run time; ``pythonop-shape-inference`` gives the ONNX graph its shapes afterwards.
+    """
+    if not isinstance(traced, torch._C.TensorType) or traced.dim() is None:
+        return traced
+    return traced.with_sizes([None] * traced.dim())
 
 
 def pythonop_attributes(call: FunctionCall, *, training: bool = True) -> dict[str, Any]:
