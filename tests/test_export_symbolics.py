@@ -123,6 +123,24 @@ def test_registered_symbolic_is_used_and_unregistered():
         register_symbolic("erfinv")
 
 
+def test_an_op_without_a_symbolic_is_named_with_the_module_path_inside_a_sequential():
+    # torch names the child of an nn.Sequential that runs it "blocks.1", not "1".
+    class Erfinv(torch.nn.Module):
+        def forward(self, x):
+            return torch.special.erfinv(x)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.Sequential(torch.nn.Identity(), Erfinv())
+
+        def forward(self, x):
+            return self.blocks(x).sum()
+
+    with pytest.raises(ExportError, match=r"in blocks\.1 \(Erfinv\)"):
+        export(Model(), (torch.rand(4) * 0.5,))
+
+
 class Attention(torch.nn.Module):
     """SDPA with dropout over grouped-query heads (4 query heads, 2 key/value heads)."""
 

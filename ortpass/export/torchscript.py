@@ -201,7 +201,15 @@ def _module_path(scope_name: str) -> str:
     reads ``pkg.Top::/pkg.Model::model/pkg.Layer::layers.0/...``: one ``class::attribute``
     per module on the way down."""
     parts = [segment.rpartition("::") for segment in scope_name.split("/") if segment]
-    path = ".".join(attribute for _, _, attribute in parts if attribute)
+    names: list[str] = []
+    for _, _, attribute in parts:
+        # torch names a module from the last non-numeric atom of its full name, so the
+        # child of a container that runs it (nn.Sequential ``inner``) is ``inner.0``.
+        if names and attribute.startswith(f"{names[-1]}.") and attribute[len(names[-1]) + 1:].replace(".", "").isdigit():
+            names[-1] = attribute
+        elif attribute:
+            names.append(attribute)
+    path = ".".join(names)
     if not path:
         return "the top-level module"
     return f"{path} ({parts[-1][0].rpartition('.')[2]})"
