@@ -20,6 +20,7 @@ __all__ = [
     "MAX_ORT_OPSET",
     "MS_DOMAIN",
     "ONNX_DOMAINS",
+    "PADDING_IDX_KEY",
     "PASS_ENTRY_POINT_GROUP",
     "PRINT_DENSITY_ENV",
     "RECOMPUTED",
@@ -47,6 +48,9 @@ TRAINING_KEY = "pkg.ortpass.training"
 RECOMPUTE_OF_KEY = "pkg.ortpass.recompute_of"
 #: Node: the forward Dropout whose mask a replayed Dropout reproduces.
 REPLAY_OF_KEY = "pkg.ortpass.replay_of"
+#: Model: the padding row of each embedding ``Gather`` (JSON: output name -> row), written
+#: by ``ortpass.export``; the gradient build keeps that row's lookup gradient out.
+PADDING_IDX_KEY = "pkg.ortpass.padding_idx"
 
 # -- pass-ordering properties (``requires_properties`` / ``provides_properties``) -------
 SHAPES = "shapes"

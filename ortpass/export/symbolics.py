@@ -22,7 +22,14 @@ priority over torch's own.  Built in:
   dropout silently never happens, and ORT's ``DropoutGrad``, which ignores
   ``training_mode``, still scales the gradient by ``1 / (1 - p)``.  Torch's also refuses ``enable_gqa``,
   which transformers passes for grouped-query attention without a mask (LLaMA,
-  Mistral, Qwen2).
+  Mistral, Qwen2);
+- ``aten::embedding``: torch's writes ``Gather(weight, indices)`` and drops
+  ``padding_idx``, so ORT's ``GatherGrad`` gives the padding row the gradient torch
+  withholds.  Ours writes the same Gather, marks it with its padding row, and
+  :func:`record_padding_indices` (called by ``export``) moves the mark into model metadata
+  for the gradient build (``ortpass.training.padding_rows``).  It refuses, in a training
+  export, ``scale_grad_by_freq`` and ``sparse``, whose gradients ``GatherGrad`` does not
+  compute either (torch's refuses only the first).
 """
 
 from __future__ import annotations
@@ -31,11 +38,22 @@ import contextlib
 import logging
 from typing import Any, Callable, Iterator
 
+import json
+
+import onnx_ir as ir
 import torch
 
+from ortpass.conventions import PADDING_IDX_KEY
+from ortpass.errors import ExportError
 from ortpass.infra.named_registry import NamedRegistry
 
-__all__ = ["register_symbolic", "registered_symbolics", "symbolics_context", "unregister_symbolic"]
+__all__ = [
+    "record_padding_indices",
+    "register_symbolic",
+    "registered_symbolics",
+    "symbolics_context",
+    "unregister_symbolic",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -191,3 +209,65 @@ def _repeat_kv_heads(g, query, key_or_value):
     # from the tensor's shape when tracing lost it (a key read from a KV cache).
     head_size = _constant(g, [sizes[-1]]) if sizes[-1] is not None else _slice(g, g.op("Shape", key_or_value), 0, 3, 4)
     return g.op("Reshape", expanded, g.op("Concat", _constant(g, [0, heads, -1]), head_size, axis_i=0))
+
+
+#: What the embedding symbolic marks a Gather with: its padding row.  ONNX's Gather has no
+#: such attribute; :func:`record_padding_indices` takes it off right after the export.
+PADDING_IDX_ATTRIBUTE = "ortpass_padding_idx"
+
+# Options of aten::embedding that change the weight's gradient, and how.
+_GRADIENT_OPTIONS = {
+    "scale_grad_by_freq": "torch divides each row's gradient by how often its index occurs in the batch",
+    "sparse": "torch gives the weight a sparse gradient",
+}
+
+
+@register_symbolic("aten::embedding")
+def embedding_symbolic(g, weight, indices, padding_idx, scale_grad_by_freq, sparse):
+    """``Gather(weight, indices)`` as torch writes it, marked with ``padding_idx`` when it
+    names a row.
+
+    At the aten level ``padding_idx`` is a row or -1 for none: ``nn.Embedding`` and
+    ``F.embedding`` turn a negative one into ``num_embeddings + padding_idx`` before the
+    call, and an index is never negative, so no other negative value masks anything.
+    """
+    from torch.onnx import symbolic_helper
+    from torch.onnx._internal.torchscript_exporter._globals import GLOBALS
+
+    if GLOBALS.export_training:
+        for option, value in (("scale_grad_by_freq", scale_grad_by_freq), ("sparse", sparse)):
+            if symbolic_helper._get_const(value, "b", option):
+                raise ExportError(
+                    f"embedding in {_caller(g)} has {option}=True: {_GRADIENT_OPTIONS[option]}, ONNX Runtime's "
+                    f"GatherGrad a plain dense sum, so the weight would train differently from torch; "
+                    f"set {option}=False"
+                )
+    padding_idx = symbolic_helper._get_const(padding_idx, "i", "padding_idx")
+    if padding_idx < 0:
+        return g.op("Gather", weight, indices)
+    return g.op("Gather", weight, indices, **{f"{PADDING_IDX_ATTRIBUTE}_i": padding_idx})
+
+
+def _caller(g) -> str:
+    """The module that called the op being converted, as export errors name it."""
+    from ortpass.export.torchscript import _module_path
+
+    return _module_path(g.original_node.scopeName())
+
+
+def record_padding_indices(model: ir.Model) -> dict[str, int]:
+    """Move the embedding symbolic's marks into model metadata; returns what was recorded.
+
+    ``PADDING_IDX_KEY`` maps each marked Gather's output name to its padding row.  The
+    output name, not the node name: ORT's pre-gradient transformers rename nodes they
+    touch, but keep the names of the values other nodes read.
+    """
+    recorded: dict[str, int] = {}
+    for node in model.graph.all_nodes():
+        mark = node.attributes.pop(PADDING_IDX_ATTRIBUTE, None)
+        if mark is not None:
+            recorded[node.outputs[0].name] = mark.as_int()
+    if recorded:
+        model.metadata_props[PADDING_IDX_KEY] = json.dumps(recorded)
+        logger.debug("embedding padding rows: %s", recorded)
+    return recorded

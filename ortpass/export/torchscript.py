@@ -25,6 +25,7 @@ import torch
 
 from ortpass.conventions import EXPORT_KEY, MAX_ORT_OPSET
 from ortpass.errors import ExportError
+from ortpass.export.symbolics import record_padding_indices
 from ortpass.pythonop.export import name_context_outputs
 
 __all__ = ["export"]
@@ -68,7 +69,8 @@ def export(
     Returns:
         An onnx_ir model: parameters are initializers named by ``state_dict`` names, the
         loss is the output ``loss_name``, and model metadata ``pkg.ortpass.export``
-        records the loss, the trainable parameters and the export dims.
+        records the loss, the trainable parameters and the export dims
+        (``pkg.ortpass.padding_idx``: each embedding's padding row).
     """
     if not isinstance(module, torch.nn.Module):
         raise ExportError(f"export needs a torch.nn.Module, got {type(module).__name__}")
@@ -93,6 +95,7 @@ def export(
     model = ir.from_proto(proto)
     # TorchScript names values after the symbolics ran, so ctx outputs are named here.
     name_context_outputs(model)
+    record_padding_indices(model)
     _name_unnamed_nodes(model)
     initializer_names = set(model.graph.initializers)
     params = [name for name, p in module.named_parameters() if p.requires_grad and name in initializer_names]

@@ -7,10 +7,10 @@ from typing import Any
 
 import onnx_ir as ir
 
-from ortpass.conventions import EXPORT_KEY
+from ortpass.conventions import EXPORT_KEY, PADDING_IDX_KEY
 from ortpass.errors import ModelLoadError, elide
 
-__all__ = [ "get_export_info"]
+__all__ = [ "get_export_info", "get_padding_indices"]
 
 
 
@@ -50,3 +50,25 @@ def _field_problem(info: dict[str, Any]) -> str | None:
         if bad:
             return f"'dims' sizes must be positive integers; bad: {elide(repr(bad), 80)}"
     return None
+
+
+def get_padding_indices(model: ir.Model) -> dict[str, int]:
+    """The padding row of each embedding Gather, by output name, as ``ortpass.export``
+    recorded them ({} for other models).
+
+    Raises ModelLoadError naming the key when the record is not a JSON object of
+    non-negative integers.
+    """
+    raw = model.metadata_props.get(PADDING_IDX_KEY)
+    if not raw:
+        return {}
+    try:
+        record = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise ModelLoadError(f"model metadata {PADDING_IDX_KEY!r} is not valid JSON ({exc})") from None
+    if not isinstance(record, dict) or any(type(row) is not int or row < 0 for row in record.values()):
+        raise ModelLoadError(
+            f"model metadata {PADDING_IDX_KEY!r} must map Gather outputs to padding rows (integers >= 0), "
+            f"not {elide(raw, 80)}"
+        )
+    return record

@@ -48,6 +48,7 @@ from ortpass.training.gradients import (
     check_gradient_shapes,
     reduce_broadcast_gradients,
 )
+from ortpass.training.padding_rows import mask_padding_rows
 from ortpass.training.shapes import (
     infer_forward_shapes,
     infer_shapes,
@@ -123,6 +124,7 @@ def build_training_graph(
     training_proto = _run_gradient_builder(proto, loss, params)
     _name_unread_pythonop_grad_outputs(training_proto)
     reduce_broadcast_gradients(training_proto, forward_names)
+    mask_padding_rows(training_proto, model)
     clamp_for_ort(training_proto)
     training_proto = infer_shapes(training_proto)
     shape_concat_training_lengths(training_proto)
