@@ -12,6 +12,7 @@ __all__ = [
     "PassFailedError",
     "ExportError",
     "TrainingGraphError",
+    "StaticDimsRequired",
     "PlanError",
     "UnregisteredFunctionError",
     "GoldenCaseError",
@@ -69,6 +70,18 @@ class ExportError(OrtpassError):
 
 class TrainingGraphError(OrtpassError):
     """The gradient graph could not be built, or a model is not a training graph."""
+
+
+class StaticDimsRequired(TrainingGraphError):
+    """An op's ORT gradient kernel needs input dims that the graph leaves dynamic.
+
+    ``dims`` holds the names of the graph's dynamic dims those inputs are computed from
+    (``x_dim2``): export with them static (``ortpass.ORTModule`` does so itself).
+    """
+
+    def __init__(self, message: str, dims: frozenset[str]):
+        super().__init__(message)
+        self.dims = dims
 
 
 class PlanError(OrtpassError):

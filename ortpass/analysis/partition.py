@@ -36,20 +36,41 @@ Side = Literal["forward", "backward"]
 
 @dataclasses.dataclass(frozen=True)
 class TrainingInfo:
-    """What the gradient build recorded about a training graph."""
+    """What the gradient build recorded about a training graph.
 
-    loss: str
+    A graph built from a loss (``loss`` set) starts backward from the loss's gradient, an
+    initializer of ones.  A graph built from outputs (``loss`` None) takes the gradient of
+    each output in ``seeds`` (output -> graph input) as the caller computed it: the loss
+    lives outside the graph, in the caller's code.  ``input_gradients`` maps graph inputs
+    that get a gradient (inputs that require grad) to their gradient outputs.
+    """
+
+    loss: str | None
     params: tuple[str, ...]
     gradients: dict[str, str]  # parameter name -> gradient output name
+    seeds: dict[str, str] = dataclasses.field(default_factory=dict)  # output -> its gradient, a graph input
+    input_gradients: dict[str, str] = dataclasses.field(default_factory=dict)  # graph input -> gradient output
 
     @property
     def loss_gradient(self) -> str:
-        """The value backward starts from: ORT 1.19.2's gradient builder names the loss's
-        gradient ``<loss>_grad`` (an initializer of ones)."""
+        """The value backward starts from in a loss graph: ORT 1.19.2's gradient builder
+        names the loss's gradient ``<loss>_grad`` (an initializer of ones)."""
+        if self.loss is None:
+            raise TrainingGraphError("this training graph differentiates outputs, not a loss: it has no loss gradient")
         return f"{self.loss}_grad"
 
+    @property
+    def gradient_sources(self) -> frozenset[str]:
+        """The values backward starts from: the loss's gradient, or every output's."""
+        return frozenset(self.seeds.values()) if self.loss is None else frozenset({self.loss_gradient})
+
     def to_json(self) -> str:
-        return json.dumps({"loss": self.loss, "params": list(self.params), "gradients": self.gradients})
+        record: dict = {"loss": self.loss, "params": list(self.params), "gradients": self.gradients}
+        if self.seeds:
+            record["seeds"] = self.seeds
+        if self.input_gradients:
+            record["input_gradients"] = self.input_gradients
+        return json.dumps(record)
 
 
 @dataclasses.dataclass
@@ -104,9 +125,18 @@ def get_training_info(model: ir.Model) -> TrainingInfo:
         )
     try:
         data = json.loads(raw)
-        return TrainingInfo(data["loss"], tuple(data["params"]), dict(data["gradients"]))
+        info = TrainingInfo(
+            data["loss"], tuple(data["params"]), dict(data["gradients"]),
+            dict(data.get("seeds", {})), dict(data.get("input_gradients", {})),
+        )  # fmt: skip
     except (ValueError, KeyError, TypeError) as exc:
         raise TrainingGraphError(f"model metadata {TRAINING_KEY!r} is malformed: {exc}") from exc
+    if (info.loss is None) == (not info.seeds):
+        raise TrainingGraphError(
+            f"model metadata {TRAINING_KEY!r} is malformed: a training graph has a loss or output seeds, not "
+            f"{'both' if info.seeds else 'neither'}"
+        )
+    return info
 
 
 def get_partition(model: ir.Model, nodes: Iterable[ir.Node] | None = None) -> Partition:

@@ -26,6 +26,7 @@ import onnx_ir as ir
 from ortpass.conventions import CREATED_BY_KEY
 from ortpass.errors import (
     ModelLoadError,
+    OrtpassError,
     PassFailedError,
 )
 from ortpass.infra.analysis_cache import AnalysisCache
@@ -68,7 +69,9 @@ Rollback = Callable[[], tuple[ir.Model, str | None]]
 def _describe(exc: BaseException) -> str:
     text = f"{type(exc).__name__}: {exc}"
     cause = exc.__cause__
-    if cause is not None:  # onnx_ir wraps failed pre/postconditions; the cause says why
+    # onnx_ir wraps failed pre/postconditions and the cause says why; ortpass's own errors
+    # say it themselves (their cause is the raw text they were made from: C++ signatures).
+    if cause is not None and not isinstance(exc, OrtpassError):
         text += f" (caused by {type(cause).__name__}: {cause})"
     return text
 

@@ -19,7 +19,7 @@ def get_export_info(model: ir.Model) -> dict[str, Any]:
 
     Raises ModelLoadError naming the key when the record is not a JSON object, or a field
     the passes read has the wrong type: ``loss`` a str, ``params`` a list of str, ``dims``
-    an object of positive ints.
+    an object of positive ints, ``outputs_with_grad`` and ``inputs_with_grad`` lists of str.
     """
     raw = model.metadata_props.get(EXPORT_KEY)
     if not raw:
@@ -38,11 +38,13 @@ def get_export_info(model: ir.Model) -> dict[str, Any]:
 
 def _field_problem(info: dict[str, Any]) -> str | None:
 
-    loss, params, dims = info.get("loss"), info.get("params"), info.get("dims")
+    loss, dims = info.get("loss"), info.get("dims")
     if loss is not None and not isinstance(loss, str):
         return f"'loss' must be a string, not {elide(repr(loss), 80)}"
-    if params is not None and not (isinstance(params, list) and all(isinstance(p, str) for p in params)):
-        return f"'params' must be a list of names, not {elide(repr(params), 80)}"
+    for key in ("params", "outputs_with_grad", "inputs_with_grad"):
+        names = info.get(key)
+        if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+            return f"{key!r} must be a list of names, not {elide(repr(names), 80)}"
     if dims is not None:
         if not isinstance(dims, dict):
             return f"'dims' must map dim names to sizes, not {type(dims).__name__} {elide(repr(dims), 80)}"
@@ -72,3 +74,14 @@ def get_padding_indices(model: ir.Model) -> dict[str, int]:
             f"not {elide(raw, 80)}"
         )
     return record
+
+
+def update_export_info(model: ir.Model, **fields: Any) -> None:
+    """Set ``fields`` in the export record of ``model`` (a field set to None is removed)."""
+    info = get_export_info(model)
+    for key, value in fields.items():
+        if value is None:
+            info.pop(key, None)
+        else:
+            info[key] = value
+    model.metadata_props[EXPORT_KEY] = json.dumps(info)

@@ -22,7 +22,8 @@ from ortpass.infra.validate import check_for_gradient_build
 from ortpass.training.build import build_training_graph
 from ortpass.training.forward_checks import (
     check_forward_model,
-    resolve_loss,
+    resolve_differentiated_inputs,
+    resolve_loss_or_outputs,
     resolve_params,
 )
 
@@ -37,11 +38,20 @@ class BuildTrainingGraphPass(OrtFunctionalPass):
 
     provides_properties = frozenset({TRAINING_GRAPH})
 
-    def __init__(self, params: Sequence[str] | None = None, loss: str | None = None, ort_fusions: bool = True) -> None:
+    def __init__(
+        self,
+        params: Sequence[str] | None = None,
+        loss: str | None = None,
+        ort_fusions: bool = True,
+        outputs_with_grad: Sequence[str] | None = None,
+        inputs_with_grad: Sequence[str] | None = None,
+    ) -> None:
         super().__init__()
         self.params = list(params) if params is not None else None
         self.loss = loss
         self.ort_fusions = ort_fusions
+        self.outputs_with_grad = list(outputs_with_grad) if outputs_with_grad is not None else None
+        self.inputs_with_grad = list(inputs_with_grad) if inputs_with_grad is not None else None
 
     def check_input(self, model: ir.Model) -> None:
         """What the build would refuse only after the pre-grad passes ran: the model
@@ -52,8 +62,10 @@ class BuildTrainingGraphPass(OrtFunctionalPass):
         proto = ir.to_proto(model)
         check_for_gradient_build(model, self.params, proto=proto)
         export_info = get_export_info(model)
-        loss = resolve_loss(proto, self.loss or export_info.get("loss"))
-        resolve_params(proto, self.params if self.params is not None else export_info.get("params"))
+        loss, _ = resolve_loss_or_outputs(proto, export_info, self.loss, self.outputs_with_grad)
+        params = resolve_params(proto, self.params if self.params is not None else export_info.get("params"))
+        inputs = self.inputs_with_grad if self.inputs_with_grad is not None else export_info.get("inputs_with_grad", [])
+        resolve_differentiated_inputs(proto, inputs, params)
         check_forward_model(proto, loss)
 
     def requires(self, model: ir.Model) -> None:
@@ -61,7 +73,10 @@ class BuildTrainingGraphPass(OrtFunctionalPass):
             raise ir.passes.PreconditionError("the model is already a training graph")
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        training = build_training_graph(model, params=self.params, loss=self.loss, ort_fusions=self.ort_fusions)
+        training = build_training_graph(
+            model, params=self.params, loss=self.loss, outputs_with_grad=self.outputs_with_grad,
+            inputs_with_grad=self.inputs_with_grad, ort_fusions=self.ort_fusions,
+        )  # fmt: skip
         partition = get_partition(training)
         self.count("forward nodes", len(partition.forward))
         self.count("backward nodes", len(partition.backward))

@@ -66,13 +66,14 @@ class _ValueBytes:
 class _BackwardNodes:
     """The backward nodes of a graph, read in one walk: the graph position of each (and of
     no other node), the nodes that read its outputs, and whether it carries the loss's
-    gradient (reads ``loss_gradient`` or a value computed from it).
+    gradient (reads one of ``sources``, the loss's gradient or the outputs', or a value
+    computed from them).
 
     Readers are gathered once per node and shared by the search for joins and the chain
     walks, which before asked each producer again at every join that reads it.
     """
 
-    def __init__(self, graph: ir.Graph, loss_gradient: str) -> None:
+    def __init__(self, graph: ir.Graph, sources: frozenset[str]) -> None:
         self.nodes = list(graph)  # every node, in order: the reordering starts from it
         self.position: dict[ir.Node, int] = {}
         self.readers: dict[ir.Node, set[ir.Node]] = {}
@@ -81,7 +82,7 @@ class _BackwardNodes:
             if is_backward(node):
                 self.position[node] = i
                 self.readers[node] = {user for out in node.outputs for user, _ in out.uses()}
-                if any(v is not None and (v.name == loss_gradient or v.producer() in self.carries_gradient)
+                if any(v is not None and (v.name in sources or v.producer() in self.carries_gradient)
                        for v in node.inputs):  # fmt: skip
                     self.carries_gradient.add(node)
 
@@ -166,7 +167,7 @@ class OrderBackwardJoinsPass(OrtPass):
         graph = model.graph
         sizes = _ValueBytes(model)
         moves: list[tuple[ir.Node, list[ir.Node]]] = []
-        backward = _BackwardNodes(graph, get_training_info(model).loss_gradient)
+        backward = _BackwardNodes(graph, get_training_info(model).gradient_sources)
         for join in backward.joins():
             chain = self._chain_to_run_first(join, backward, sizes)
             if chain:

@@ -20,6 +20,7 @@ adds around it:
 from __future__ import annotations
 
 import logging
+import re
 from typing import Sequence
 
 import onnx
@@ -40,9 +41,12 @@ from ortpass.infra.metadata import get_export_info
 from ortpass.infra.validate import check_for_gradient_build
 from ortpass.training.forward_checks import (
     check_forward_model,
-    resolve_loss,
+    check_static_dims,
+    resolve_differentiated_inputs,
+    resolve_loss_or_outputs,
     resolve_params,
 )
+from ortpass.training.inference_batch_norm import decompose_inference_batch_norms
 from ortpass.training.gradients import (
     check_gradient_outputs,
     check_gradient_shapes,
@@ -70,9 +74,17 @@ def build_training_graph(
     *,
     params: Sequence[str] | None = None,
     loss: str | None = None,
+    outputs_with_grad: Sequence[str] | None = None,
+    inputs_with_grad: Sequence[str] | None = None,
     ort_fusions: bool = True,
 ) -> ir.Model:
     """Return a new model computing the loss and ``<param>_grad`` for every parameter.
+
+    Two kinds of graph.  From a loss (the default), backward starts from the loss's
+    gradient, ones, and the graph is a whole training step.  From outputs
+    (``outputs_with_grad``, or recorded at export with no loss), the gradient of each of
+    those outputs is a graph input ``<output>_grad`` that the caller computes (the loss is
+    the caller's code, as when a training loop computes it in torch from the logits).
 
     Args:
         model: a forward+loss model (e.g. from ``ortpass.export.export``); not modified.
@@ -81,6 +93,10 @@ def build_training_graph(
             that is not a scalar.
         loss: the scalar loss output; default: the one recorded at export, else ``loss``,
             else the only graph output.
+        outputs_with_grad: build from these outputs instead of a loss (default: as
+            recorded at export).
+        inputs_with_grad: graph inputs that also get a gradient, ``<input>_grad`` (default:
+            as recorded at export; none).
         ort_fusions: first run ORT's pre-gradient graph transformers, as ORTModule did:
             they fuse torch's decomposed ops (the exact GELU's Div/Erf/Add/Mul/Mul into
             one ``com.microsoft::Gelu``, whose gradient stashes one tensor instead of
@@ -100,8 +116,11 @@ def build_training_graph(
     check_for_gradient_build(model, params, shapes=False)
     export_info = get_export_info(model)
     proto = ir.to_proto(model)
-    loss = resolve_loss(proto, loss or export_info.get("loss"))
+    loss, outputs_with_grad = resolve_loss_or_outputs(proto, export_info, loss, outputs_with_grad)
     params = resolve_params(proto, params if params is not None else export_info.get("params"))
+    inputs_with_grad = resolve_differentiated_inputs(
+        proto, inputs_with_grad if inputs_with_grad is not None else export_info.get("inputs_with_grad", []), params
+    )
     check_forward_model(proto, loss)
     if any(node.op_type == "PythonOp" for node in proto.graph.node):
         from ortpass.pythonop import (
@@ -116,12 +135,16 @@ def build_training_graph(
     # Shapes first: ORT keeps the shapes it is given through its fusions, but its symbolic
     # inference has no rule for the ConcatTraining those fusions emit.
     proto = infer_forward_shapes(proto)
+    check_static_dims(proto)
+    decompose_inference_batch_norms(proto)
     if ort_fusions:
         proto = _run_pre_gradient_transformers(proto, params)
     _add_outputs_the_gradient_builder_needs(proto)
+    _isolate_differentiated_outputs(proto, outputs_with_grad)
     forward_names = _ensure_unique_node_names(proto)
-    _make_params_inputs(proto, params, loss)
-    training_proto = _run_gradient_builder(proto, loss, params)
+    _make_params_inputs(proto, params, loss or outputs_with_grad)
+    training_proto = _run_gradient_builder(proto, loss, [*params, *inputs_with_grad], outputs_with_grad)
+    seeds = _make_seeds_inputs(training_proto, outputs_with_grad)
     _name_unread_pythonop_grad_outputs(training_proto)
     reduce_broadcast_gradients(training_proto, forward_names)
     mask_padding_rows(training_proto, model)
@@ -129,13 +152,14 @@ def build_training_graph(
     training_proto = infer_shapes(training_proto)
     shape_concat_training_lengths(training_proto)
     gradients = check_gradient_outputs(training_proto, params)
+    input_gradients = check_gradient_outputs(training_proto, inputs_with_grad)
     check_gradient_shapes(training_proto, gradients)
-    _order_outputs(training_proto, [loss, *gradients.values()])
+    _order_outputs(training_proto, [*([loss] if loss else outputs_with_grad), *gradients.values(), *input_gradients.values()])
 
     training = ir.from_proto(training_proto)
     _tag_sides(training, forward_names)
     training.metadata_props.update(model.metadata_props)
-    set_training_info(training, TrainingInfo(loss=loss, params=tuple(params), gradients=gradients))
+    set_training_info(training, TrainingInfo(loss, tuple(params), gradients, seeds, input_gradients))
     # Counted on the result: the builder turns Constant nodes into initializers.
     forward_count = sum(node.metadata_props[SIDE_KEY] == "forward" for node in training.graph)
     logger.info(
@@ -233,7 +257,7 @@ def _ensure_unique_node_names(proto: onnx.ModelProto) -> set[str]:
     return seen
 
 
-def _make_params_inputs(proto: onnx.ModelProto, params: Sequence[str], loss: str) -> None:
+def _make_params_inputs(proto: onnx.ModelProto, params: Sequence[str], differentiated: str | Sequence[str]) -> None:
     existing = {i.name for i in proto.graph.input}
     initializers = {init.name: init for init in proto.graph.initializer}
     read = {name for node in proto.graph.node for name in node.input}
@@ -241,7 +265,7 @@ def _make_params_inputs(proto: onnx.ModelProto, params: Sequence[str], loss: str
         # ORT's transformers drop initializers nothing reads; its gradient builder fails on
         # one with "couldn't find the consumer node".
         if name not in read:
-            raise TrainingGraphError(f"parameter {name!r} does not affect the loss {loss!r}: nothing reads it")
+            raise TrainingGraphError(f"parameter {name!r} does not affect {_described(differentiated)}: nothing reads it")
         if name in existing:
             continue
         init = initializers[name]
@@ -260,17 +284,76 @@ def _run_pre_gradient_transformers(proto: onnx.ModelProto, params: Sequence[str]
         raise TrainingGraphError(f"ONNX Runtime's pre-gradient transformers failed: {ort_message(exc)}") from exc
 
 
-def _run_gradient_builder(proto: onnx.ModelProto, loss: str, params: Sequence[str]) -> onnx.ModelProto:
+def _described(differentiated: str | Sequence[str]) -> str:
+    if isinstance(differentiated, str):
+        return f"the loss {differentiated!r}"
+    return f"the outputs {list(differentiated)}"
+
+
+def _run_gradient_builder(
+    proto: onnx.ModelProto, loss: str | None, xs: Sequence[str], outputs: Sequence[str]
+) -> onnx.ModelProto:
+    """ORT's builder differentiates ``loss`` (seeded with ones) or, without one, ``outputs``
+    (their gradients left as names the graph does not define, ``<output>_grad``)."""
     from onnxruntime.capi import _pybind_state as C
 
     options = C.SessionOptions()
     options.log_severity_level = 3
+    ys = {loss} if loss else set(outputs)
     try:
-        builder = C.GradientGraphBuilder(proto.SerializeToString(), {loss}, set(params), loss, options)
+        builder = C.GradientGraphBuilder(proto.SerializeToString(), ys, set(xs), loss or "", options)
         builder.build()
         return onnx.load_from_string(builder.get_model())
     except Exception as exc:  # ORT raises RuntimeError/Fail/InvalidGraph with its message
-        raise TrainingGraphError(f"ONNX Runtime's gradient builder failed: {ort_message(exc)}") from exc
+        message = ort_message(exc)
+        missing = _NO_GRADIENT.search(message)
+        if missing:
+            raise TrainingGraphError(
+                f"ONNX Runtime has no gradient for {missing.group(1)} (node {missing.group(2)!r}): ORT's gradient "
+                "builder cannot differentiate this model; replace that op, or run the module in torch "
+                "(ORTModule(..., fallback='torch'))"
+            ) from exc
+        raise TrainingGraphError(f"ONNX Runtime's gradient builder failed: {message}") from exc
+
+
+def _isolate_differentiated_outputs(proto: onnx.ModelProto, outputs: Sequence[str]) -> None:
+    """Give each differentiated output that a node also reads its own ``Identity``.
+
+    ORT's builder names the gradient of value ``v`` ``v_grad``: for an output that the
+    graph reads too (logits returned and fed to an in-graph loss), the gradient from
+    those readers would take the name of the caller's gradient input.  Behind an
+    Identity, the output's gradient is the caller's alone, and the builder sums it with
+    the readers' into the value's.
+    """
+    read = {name for node in proto.graph.node for name in node.input}
+    for name in outputs:
+        if name not in read:
+            continue
+        inner = f"{name}_ortpass_value"
+        for node in proto.graph.node:
+            node.input[:] = [inner if i == name else i for i in node.input]
+            node.output[:] = [inner if o == name else o for o in node.output]
+        proto.graph.node.append(onnx.helper.make_node("Identity", [inner], [name], name=f"{name}_ortpass_output"))
+
+
+def _make_seeds_inputs(proto: onnx.ModelProto, outputs: Sequence[str]) -> dict[str, str]:
+    """Make the gradient of each differentiated output a graph input typed like the output."""
+    declared = {o.name: o for o in proto.graph.output}
+    read = {name for node in proto.graph.node for name in node.input}
+    seeds = {}
+    for name in outputs:
+        seed = f"{name}_grad"
+        if seed not in read:
+            raise TrainingGraphError(f"the gradient builder left output {name!r} without gradient: no parameter affects it")
+        seed_input = onnx.ValueInfoProto()
+        seed_input.CopyFrom(declared[name])
+        seed_input.name = seed
+        proto.graph.input.append(seed_input)
+        seeds[name] = seed
+    return seeds
+
+
+_NO_GRADIENT = re.compile(r"gradient builder has not been registered: (\S+) for node (\S+)")
 
 
 def _name_unread_pythonop_grad_outputs(proto: onnx.ModelProto) -> None:

@@ -3,6 +3,7 @@ that exist, and a graph ORT can order; each refusal names the value or node at f
 
 from __future__ import annotations
 
+import re
 from typing import Iterable
 
 import onnx
@@ -12,12 +13,12 @@ import onnx_ir as ir
 from ortpass.conventions import (
     MS_DOMAIN,
 )
-from ortpass.errors import TrainingGraphError
+from ortpass.errors import StaticDimsRequired, TrainingGraphError
 
-__all__ = ["check_forward_model"]
+__all__ = ["check_forward_model", "check_static_dims"]
 
 
-def check_forward_model(proto: onnx.ModelProto, loss: str) -> None:
+def check_forward_model(proto: onnx.ModelProto, loss: str | None) -> None:
     """Refuse, naming the node and value, a forward model ORT's gradient builder would
     reject with a message about its own C++ internals (or a crash).
 
@@ -39,7 +40,8 @@ def check_forward_model(proto: onnx.ModelProto, loss: str) -> None:
         if output.name not in defined and output.name not in producer:
             raise TrainingGraphError(f"graph output {output.name!r} is produced by no node")
     _check_acyclic(graph, producer)
-    _check_loss_is_scalar(graph, loss)
+    if loss is not None:
+        _check_loss_is_scalar(graph, loss)
     _check_label_types(graph)
 
 
@@ -137,6 +139,47 @@ def resolve_loss(proto: onnx.ModelProto, loss: str | None) -> str:
     return loss
 
 
+def resolve_loss_or_outputs(
+    proto: onnx.ModelProto, export_info: dict, loss: str | None = None, outputs_with_grad: Iterable[str] | None = None
+) -> tuple[str | None, list[str]]:
+    """What backward starts from: ``(loss, [])`` or ``(None, outputs)``, from the arguments
+    or else from the export's record (``loss``, or ``outputs_with_grad`` without one)."""
+    if outputs_with_grad is None and loss is None:
+        outputs_with_grad = export_info.get("outputs_with_grad")
+    if outputs_with_grad:
+        return None, resolve_differentiated_outputs(proto, outputs_with_grad)
+    return resolve_loss(proto, loss or export_info.get("loss")), []
+
+
+def resolve_differentiated_outputs(proto: onnx.ModelProto, outputs: Iterable[str]) -> list[str]:
+    """The outputs a graph built without a loss differentiates: floating-point graph outputs."""
+    declared = {o.name: o.type.tensor_type.elem_type for o in proto.graph.output}
+    outputs = list(outputs)
+    for name in outputs:
+        if name not in declared:
+            raise TrainingGraphError(f"output {name!r} to differentiate is not a graph output; outputs are {sorted(declared)}")
+        if declared[name] not in (*float_proto_types(), onnx.TensorProto.UNDEFINED):
+            raise TrainingGraphError(
+                f"output {name!r} is not floating point ({onnx.TensorProto.DataType.Name(declared[name])}): "
+                "it has no gradient"
+            )
+    if len(set(outputs)) != len(outputs):
+        raise TrainingGraphError(f"duplicate output names in {outputs}")
+    return outputs
+
+
+def resolve_differentiated_inputs(proto: onnx.ModelProto, inputs: Iterable[str], params: Iterable[str]) -> list[str]:
+    """Graph inputs (not parameters) that get a gradient: floating-point inputs."""
+    declared = {i.name: i.type.tensor_type.elem_type for i in proto.graph.input}
+    inputs, params = list(inputs), set(params)
+    for name in inputs:
+        if name not in declared or name in params:
+            raise TrainingGraphError(f"input {name!r} to differentiate is not a graph input other than a parameter")
+        if declared[name] not in float_proto_types():
+            raise TrainingGraphError(f"input {name!r} is not floating point: it has no gradient")
+    return inputs
+
+
 def resolve_params(proto: onnx.ModelProto, params: Iterable[str] | None) -> list[str]:
     initializers = {init.name: init for init in proto.graph.initializer}
     inputs = {i.name: i for i in proto.graph.input}
@@ -169,3 +212,41 @@ _FLOAT_TYPES = {ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir
 
 def float_proto_types() -> set[int]:
     return {int(t) for t in _FLOAT_TYPES}
+
+
+#: Ops whose ORT 1.19.2 CPU gradient kernel reads its input's shape from the graph and
+#: crashes the process when those dims are dynamic, and the input dims it needs static
+#: (None: all).  Measured: a Conv -> MaxPool(2) -> Linear model with dynamic height and
+#: width died with SIGSEGV in MaxPoolGrad (dynamic batch alone ran right at three batch
+#: sizes); with AveragePool(2), a dynamic batch alone died with SIGFPE in
+#: AveragePoolGrad (docs/design/ort-facts.md).
+_NEEDS_STATIC_INPUT_DIMS: dict[str, slice] = {"MaxPool": slice(2, None), "AveragePool": slice(0, None)}
+
+_DIM_SYMBOL = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_NOT_DIM_SYMBOLS = frozenset({"floor", "ceil", "max", "min", "Max", "Min", "Mod"})
+
+
+def check_static_dims(proto: onnx.ModelProto) -> None:
+    """Refuse, naming the node and the dynamic dims, an op whose ORT gradient kernel needs
+    static input dims it does not have (:data:`_NEEDS_STATIC_INPUT_DIMS`); run on a model
+    whose value infos carry the shapes (after shape inference).  Raises
+    :class:`StaticDimsRequired`, which names the graph's dims to make static."""
+    shapes = {v.name: v.type.tensor_type.shape for v in (*proto.graph.input, *proto.graph.value_info)}
+    for index, node in enumerate(proto.graph.node):
+        needed = _NEEDS_STATIC_INPUT_DIMS.get(node.op_type)
+        if needed is None or node.domain not in ("", "ai.onnx") or not node.input:
+            continue
+        shape = shapes.get(node.input[0])
+        dims = list(shape.dim)[needed] if shape is not None else None
+        if dims is not None and all(d.HasField("dim_value") for d in dims):
+            continue
+        symbols = frozenset(
+            name for d in (dims or ()) if not d.HasField("dim_value") for name in _DIM_SYMBOL.findall(d.dim_param)
+        ) - _NOT_DIM_SYMBOLS
+        which = "spatial" if needed.start else "input"
+        raise StaticDimsRequired(
+            f"node {_node_label(node, index)}: ORT's {node.op_type}Grad needs static {which} dims and crashes "
+            f"the process otherwise; its input {node.input[0]!r} has dynamic dims "
+            f"{sorted(symbols) if symbols else '(unknown)'}: export with them static",
+            symbols,
+        )

@@ -21,10 +21,17 @@ logger = logging.getLogger(__name__)
 _ORT_ERROR = re.compile(r"\[ONNXRuntimeError\] : \d+ : (\w+) : (.*)", re.DOTALL)
 
 
+#: ORT_ENFORCE's form: ``<file>:<line> <C++ signature> <condition> was false. <message>``.
+_ORT_ENFORCE = re.compile(r"^\S+:\d+ .* was (?:false|true)\. (.*)$", re.DOTALL)
+
+
 def ort_message(exc: Exception) -> str:
     """ORT's own words without the C++ source location and signature in front of them."""
     match = _ORT_ERROR.search(str(exc))
-    return f"{match.group(1)}: {match.group(2).strip()}" if match else f"{type(exc).__name__}: {exc}"
+    if match:
+        return f"{match.group(1)}: {match.group(2).strip()}"
+    enforced = _ORT_ENFORCE.match(str(exc).strip())
+    return enforced.group(1).strip() if enforced else f"{type(exc).__name__}: {exc}"
 
 
 def infer_forward_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
