@@ -17,6 +17,11 @@ priority over torch's own.  Built in:
 
 - ``aten::diff``, missing in torch;
 - ``aten::cumsum``: torch's drops the dtype;
+- ``aten::batch_norm`` without running statistics (``track_running_stats=False``):
+  torch's computes placeholder statistics with a Reshape to the sample's batch size, so
+  it refuses a dynamic batch (and would bake the sample's in).  In training mode
+  BatchNormalization normalizes with the batch's own statistics and its running inputs
+  feed only running outputs nobody reads: ortpass passes constants (zeros, ones) there;
 - ``aten::scaled_dot_product_attention``: torch's writes the attention dropout as a
   ``Dropout`` without its ``training_mode`` input, which ONNX reads as inference: the
   dropout silently never happens, and ORT's ``DropoutGrad``, which ignores
@@ -271,3 +276,21 @@ def record_padding_indices(model: ir.Model) -> dict[str, int]:
         model.metadata_props[PADDING_IDX_KEY] = json.dumps(recorded)
         logger.debug("embedding padding rows: %s", recorded)
     return recorded
+
+
+@register_symbolic("aten::batch_norm")
+def batch_norm_symbolic(g, input, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled):
+    from torch.onnx._internal.torchscript_exporter import symbolic_helper, symbolic_opset9, symbolic_opset14
+    from torch.onnx._internal.torchscript_exporter._globals import GLOBALS
+
+    if _is_none(running_mean) or _is_none(running_var):
+        channels = symbolic_helper._get_tensor_dim_size(input, 1)
+        if channels is None:
+            raise ExportError("batch_norm without running statistics needs a static channel dim (dim 1)")
+        dtype = input.type().dtype() if input.type().dtype() is not None else torch.float32
+        running_mean = g.op("Constant", value_t=torch.zeros(channels, dtype=dtype))
+        running_var = g.op("Constant", value_t=torch.ones(channels, dtype=dtype))
+    torch_symbolic = symbolic_opset14 if GLOBALS.export_onnx_opset_version >= 14 else symbolic_opset9
+    return torch_symbolic.batch_norm(
+        g, input, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled
+    )

@@ -38,20 +38,32 @@ def export(
     args: Sequence[Any] | Any,
     *,
     input_names: Sequence[str] | None = None,
-    loss_name: str = "loss",
+    loss_name: str | None = "loss",
+    output_names: Sequence[str] | None = None,
+    outputs_with_grad: Sequence[str] | None = None,
+    inputs_with_grad: Sequence[str] = (),
     opset: int = 17,
     dynamic_axes: Mapping[str, Mapping[int, str]] | None = None,
     density_threshold: float | None = 90.0,
     fused_attention: bool | Literal["auto"] = False,
-    training: bool = True,
+    training: bool | None = True,
 ) -> ir.Model:
     """Export ``module(*args)`` (whose first output is the scalar loss) for training.
+
+    Without a loss (``loss_name=None``) the graph is built later from outputs: the caller
+    computes the loss from them, and the gradient build takes their gradients as inputs
+    (:func:`ortpass.training.build_training_graph`).
 
     Args:
         module: the model including its loss; ``forward`` returns the loss first.
         args: the sample batch (a tensor or a sequence of positional arguments).
         input_names: graph input names for ``args`` (default ``input_0``, ...).
-        loss_name: name of the loss output.
+        loss_name: name of the loss output; None: the module returns no loss.
+        output_names: names of the outputs (after the loss, if any); default: torch's.
+        outputs_with_grad: without a loss, the outputs to differentiate (default: every
+            floating-point output that a trainable parameter or an input in
+            ``inputs_with_grad`` reaches).
+        inputs_with_grad: input names whose gradient the training graph computes too.
         opset: ai.onnx opset (at most 21, what ORT 1.19.2 loads).
         dynamic_axes: ``{input_name: {axis: dim_name}}``; the export batch's sizes of
             these dims are recorded so analyses can evaluate symbolic sizes.
@@ -64,7 +76,11 @@ def export(
             ``"auto"``: the calls without attention dropout (where it is faster too) and
             those with dropout whose attention is large (``AUTO_DROPOUT_BYTES`` there).
         training: False exports the module in eval mode (no Dropout, no density probe)
-            for a forward-only graph, whose first output need not be a loss.
+            for a forward-only graph, whose first output need not be a loss.  None
+            exports every submodule in the mode it is in (a Dropout set to ``eval()``
+            inside a training model stays off), for a graph the module's own
+            ``training`` flag decides.  Either way every submodule's flag is as before
+            after the export.
 
     Returns:
         An onnx_ir model: parameters are initializers named by ``state_dict`` names, the
@@ -74,23 +90,30 @@ def export(
     """
     if not isinstance(module, torch.nn.Module):
         raise ExportError(f"export needs a torch.nn.Module, got {type(module).__name__}")
+    shown = shown_module(module)
     if not 7 <= opset <= MAX_ORT_OPSET:
         raise ExportError(
             f"opset {opset} is not supported: ORT 1.19.2 loads ai.onnx opsets up to {MAX_ORT_OPSET} "
             "and the training ops need 7 or newer"
         )
     check_fused_attention(fused_attention)
+    mode = training
+    training = module.training if training is None else training
     args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
     if input_names is None:
         input_names = [f"input_{i}" for i in range(len(args))]
     if len(input_names) != len(args):
         raise ExportError(f"{len(input_names)} input_names for {len(args)} arguments")
+    unknown = sorted(set(inputs_with_grad) - set(input_names))
+    if unknown:
+        raise ExportError(f"inputs_with_grad names {unknown}, which are not input names {list(input_names)}")
+    names = [*([loss_name] if loss_name is not None else []), *(output_names or ())]
 
     proto, density_records = _run_torchscript_export(
-        module, args, list(input_names), loss_name, opset, dynamic_axes, density_threshold if training else None,
-        training, fused_attention,
+        module, args, list(input_names), names, opset, dynamic_axes, density_threshold if training else None,
+        mode, fused_attention,
     )
-    if training:
+    if training and loss_name is not None:
         _check_loss_output(proto, loss_name)
     model = ir.from_proto(proto)
     # TorchScript names values after the symbolics ran, so ctx outputs are named here.
@@ -106,8 +129,12 @@ def export(
         "opset": opset,
         "label_density": [dataclasses.asdict(record) for record in density_records],
     }
+    if inputs_with_grad:
+        info["inputs_with_grad"] = list(inputs_with_grad)
+    if training and loss_name is None:
+        info["outputs_with_grad"] = _differentiable_outputs(model, outputs_with_grad, [*params, *inputs_with_grad])
     model.metadata_props[EXPORT_KEY] = json.dumps(info)
-    logger.info("exported %s: %d nodes, %d trainable parameters", type(module).__name__, len(model.graph), len(params))
+    logger.info("exported %s: %d nodes, %d trainable parameters", type(shown).__name__, len(model.graph), len(params))
     return model
 
 
@@ -118,7 +145,7 @@ def check_fused_attention(value: object) -> None:
 
 
 def _run_torchscript_export(
-    module, args, input_names, loss_name, opset, dynamic_axes, density_threshold, training=True, fused_attention=False
+    module, args, input_names, output_names, opset, dynamic_axes, density_threshold, training=True, fused_attention=False
 ):
     """Run torch's exporter with PythonOp export and the density probe hooked in.
 
@@ -129,8 +156,9 @@ def _run_torchscript_export(
     from ortpass.export.symbolics import symbolics_context
     from ortpass.pythonop.export import pythonop_export_context
 
-    was_training = module.training
-    module.train(training)
+    modes = [(m, m.training) for m in module.modules()]
+    if training is not None:
+        module.train(training)
     buffer = io.BytesIO()
     probe = None
     try:
@@ -152,23 +180,32 @@ def _run_torchscript_export(
                 args,
                 buffer,
                 dynamo=False,
-                training=torch.onnx.TrainingMode.TRAINING if training else torch.onnx.TrainingMode.EVAL,
+                training=_TRAINING_MODES[training],
                 do_constant_folding=False,
                 export_params=True,
                 opset_version=opset,
                 input_names=input_names,
-                output_names=[loss_name],
+                output_names=list(output_names),
                 dynamic_axes={k: dict(v) for k, v in (dynamic_axes or {}).items()} or None,
             )
     except ExportError:
         raise
     except Exception as exc:
         raise ExportError(
-            f"torch.onnx.export of {type(module).__name__} failed: {type(exc).__name__}: {exc}{_where_and_way_out(exc)}"
+            f"torch.onnx.export of {type(shown_module(module)).__name__} failed: {type(exc).__name__}: {exc}"
+            f"{_where_and_way_out(exc)}"
         ) from exc
     finally:
-        module.train(was_training)
+        for m, was_training in modes:  # torch's exporter sets the mode of every submodule
+            m.training = was_training
     return onnx.load_from_string(buffer.getvalue()), (probe.records if probe is not None else [])
+
+
+_TRAINING_MODES = {
+    True: torch.onnx.TrainingMode.TRAINING,
+    False: torch.onnx.TrainingMode.EVAL,
+    None: torch.onnx.TrainingMode.PRESERVE,
+}
 
 
 def _where_and_way_out(exc: Exception) -> str:
@@ -199,6 +236,24 @@ def _where_and_way_out(exc: Exception) -> str:
     )
 
 
+#: A module class attribute: the name of the child module this module only presents to
+#: the exporter (ORTModule's flat-argument view); errors name that child and its paths.
+VIEW_OF = "ortpass_view_of"
+
+
+#: View classes seen by this process, by class name (scope names carry only the name).
+_VIEW_ATTRIBUTES: dict[str, str] = {}
+
+
+def shown_module(module: torch.nn.Module) -> torch.nn.Module:
+    """The module errors talk about: ``module``, or the one it is a view of."""
+    view = getattr(module, VIEW_OF, None)
+    if not view:
+        return module
+    _VIEW_ATTRIBUTES[type(module).__name__] = view
+    return getattr(module, view)
+
+
 def _module_path(scope_name: str) -> str:
     """``model.layers.0.mlp (MixtralSparseMoeBlock)`` from a TorchScript scope name, which
     reads ``pkg.Top::/pkg.Model::model/pkg.Layer::layers.0/...``: one ``class::attribute``
@@ -212,6 +267,9 @@ def _module_path(scope_name: str) -> str:
             names[-1] = attribute
         elif attribute:
             names.append(attribute)
+    root = parts[0][0].rpartition(".")[2] if parts else ""
+    if names and root and names[0] == _VIEW_ATTRIBUTES.get(root):
+        names = names[1:]  # inside a view (ORTModule's), paths start at the module it shows
     path = ".".join(names)
     if not path:
         return "the top-level module"
@@ -227,6 +285,27 @@ def _check_loss_output(proto: onnx.ModelProto, loss_name: str) -> None:
         raise ExportError(f"loss {loss_name!r} is not a floating-point tensor; forward must return the loss first")
     if tensor_type.HasField("shape") and len(tensor_type.shape.dim) != 0:
         raise ExportError(f"loss {loss_name!r} has rank {len(tensor_type.shape.dim)}; it must be a scalar")
+
+
+def _differentiable_outputs(model: ir.Model, given: Sequence[str] | None, sources: Sequence[str]) -> list[str]:
+    """``given``, checked to be outputs; or every floating-point output that a value in
+    ``sources`` (trainable parameters, inputs with gradient) reaches."""
+    outputs = {v.name: v for v in model.graph.outputs}
+    if given is not None:
+        unknown = sorted(set(given) - set(outputs))
+        if unknown:
+            raise ExportError(f"outputs_with_grad names {unknown}, which are not outputs {sorted(outputs)}")
+        return list(given)
+    values = {v.name: v for v in (*model.graph.inputs, *model.graph.initializers.values())}
+    reached: set[ir.Value] = {values[name] for name in sources if name in values}
+    for node in model.graph:  # graph order is topological
+        if any(v in reached for v in node.inputs if v is not None):
+            reached.update(node.outputs)
+    floats = {ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE}
+    chosen = [name for name, v in outputs.items() if v in reached and v.dtype in floats]
+    if not chosen:
+        raise ExportError(f"no output of the module depends on a trainable parameter; outputs: {sorted(outputs)}")
+    return chosen
 
 
 def _name_unnamed_nodes(model: ir.Model) -> None:

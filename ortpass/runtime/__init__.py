@@ -6,5 +6,6 @@ from ortpass.runtime.session import (
     dropout_mask_names,
     with_dropout_masks,
 )
+from ortpass.runtime.split_session import SplitTrainingSession
 
-__all__ = ["StepResult", "TrainingSession", "dropout_mask_names", "with_dropout_masks"]
+__all__ = ["SplitTrainingSession", "StepResult", "TrainingSession", "dropout_mask_names", "with_dropout_masks"]

@@ -109,34 +109,19 @@ class TrainingSession:
         threads: int | None = None,
         session_options: Any = None,
     ) -> None:
-        import onnxruntime as ort
-
         self.info = get_training_info(model)
+        if self.info.loss is None:
+            raise OrtpassError(
+                "this training graph differentiates outputs, whose gradients its caller computes; "
+                "run it with ortpass.runtime.SplitTrainingSession (TrainingSession runs graphs built from a loss)"
+            )
         self.extra_outputs = tuple(extra_outputs)
         proto = ir.to_proto(model)
-        clamp_for_ort(proto)
         _expose_values(proto, self.extra_outputs)
-        runs_torch = any(n.op_type in ("PythonOp", "PythonOpGrad") for n in proto.graph.node)
-        if runs_torch:
-            from ortpass.pythonop import bridge
-
-            bridge.prepare(model)
-
-        options = session_options if session_options is not None else training_options(ort, runs_torch=runs_torch)
-        if threads is not None:
-            options.intra_op_num_threads = threads
-        if optimized_model_path is not None:
-            options.optimized_model_filepath = os.fspath(optimized_model_path)
-        self.providers = _resolve_providers(providers, ort.get_available_providers())
-        try:
-            self._session = ort.InferenceSession(
-                proto.SerializeToString(),
-                options,
-                providers=self.providers,
-                disabled_optimizers=disabled_optimizers(model),
-            )
-        except Exception as exc:
-            raise OrtpassError(f"ONNX Runtime could not load the training graph: {exc}") from exc
+        self._session, self.providers = open_session(
+            proto, model, providers, threads=threads, session_options=session_options,
+            optimized_model_path=optimized_model_path,
+        )  # fmt: skip
         self.input_names = [i.name for i in self._session.get_inputs()]
         params = set(self.info.params)
         self._default_params = {
@@ -179,7 +164,7 @@ class TrainingSession:
         try:
             values = self._session.run(self._fetch, feeds)
         except Exception as exc:
-            raise OrtpassError(f"the training step failed on ONNX Runtime: {_root_cause(exc)}") from exc
+            raise OrtpassError(f"the training step failed on ONNX Runtime: {ort_error(exc)}") from exc
         n_grads = len(self.info.gradients)
         gradients = dict(zip(self.info.gradients, values[1 : 1 + n_grads]))
         _check_gradient_shapes(gradients, feeds)
@@ -199,7 +184,42 @@ class TrainingSession:
         try:
             return list(self._session._sess.run_with_ort_values(dict(feeds), list(fetch), None))
         except Exception as exc:
-            raise OrtpassError(f"the training step failed on ONNX Runtime: {_root_cause(exc)}") from exc
+            raise OrtpassError(f"the training step failed on ONNX Runtime: {ort_error(exc)}") from exc
+
+
+def open_session(
+    proto: onnx.ModelProto,
+    model: ir.Model,
+    providers: str | Sequence[str] | None,
+    *,
+    threads: int | None = None,
+    session_options: Any = None,
+    optimized_model_path: str | os.PathLike | None = None,
+) -> tuple[Any, list[str]]:
+    """An ORT session over ``proto`` (a graph of ``model``, whose rewrites decide which ORT
+    optimizers stay off) with ortpass's training options, and the providers it runs on.
+    Installs the torch bridge first when the graph has PythonOps."""
+    import onnxruntime as ort
+
+    clamp_for_ort(proto)
+    runs_torch = any(n.op_type in ("PythonOp", "PythonOpGrad") for n in proto.graph.node)
+    if runs_torch:
+        from ortpass.pythonop import bridge
+
+        bridge.prepare(model)
+    options = session_options if session_options is not None else training_options(ort, runs_torch=runs_torch)
+    if threads is not None:
+        options.intra_op_num_threads = threads
+    if optimized_model_path is not None:
+        options.optimized_model_filepath = os.fspath(optimized_model_path)
+    resolved = _resolve_providers(providers, ort.get_available_providers())
+    try:
+        session = ort.InferenceSession(
+            proto.SerializeToString(), options, providers=resolved, disabled_optimizers=disabled_optimizers(model)
+        )
+    except Exception as exc:
+        raise OrtpassError(f"ONNX Runtime could not load the training graph: {exc}") from exc
+    return session, resolved
 
 
 def _check_gradient_shapes(gradients: Mapping[str, np.ndarray], params: Mapping[str, np.ndarray]) -> None:
@@ -299,7 +319,7 @@ def _take_runner_error() -> BaseException | None:
     return bridge.last_runner_error(clear=True) if bridge is not None else None
 
 
-def _root_cause(exc: BaseException) -> str:
+def ort_error(exc: BaseException) -> str:
     """ORT reports a failing PythonOp runner only as a generic error; the bridge kept the real one."""
     runner_error = _take_runner_error()
     if runner_error is not None:

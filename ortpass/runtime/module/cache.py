@@ -19,7 +19,7 @@ from ortpass.runtime.module.transitions import InputSchema
 
 logger = logging.getLogger(__name__)
 
-_CACHE_FORMAT = 1
+_CACHE_FORMAT = 2
 
 
 def cache_key_material(

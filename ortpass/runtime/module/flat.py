@@ -12,7 +12,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from ortpass.errors import OrtpassError
-from ortpass.runtime.module.transitions import describe_tensor, path_name
+from ortpass.runtime.module.transitions import path_name
 
 logger = logging.getLogger(__name__)
 
@@ -21,18 +21,30 @@ INNER = "module"  # attribute holding the user's module inside the export wrappe
 
 class FlatCall(torch.nn.Module):
     """Runs the user's module from flat tensors (what the exporter feeds) and returns flat
-    tensors: the loss first in training, then the output's other tensors."""
+    tensors: the loss first when ``find_loss`` and the module returns one (a floating-point
+    scalar as its output or its ``loss`` field), then the output's other tensors.  Export
+    errors name the user's module and paths inside it (``VIEW_OF``)."""
 
-    def __init__(self, module: torch.nn.Module, leaves: list[tuple[str, Any]], spec: Any, bound: inspect.BoundArguments):
+    ortpass_view_of = INNER
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        leaves: list[tuple[str, Any]],
+        spec: Any,
+        bound: inspect.BoundArguments,
+        find_loss: bool,
+    ):
         super().__init__()
         setattr(self, INNER, module)
-        # The exporter restores the wrapper's mode after exporting, recursively: it must be
-        # the module's (set without recursing, so the submodules keep theirs).
+        # The exporter preserves modes (TrainingMode.PRESERVE); the wrapper's is the module's.
         self.training = module.training
         self._leaves, self._spec, self._signature = leaves, spec, bound.signature
+        self._find_loss = find_loss
         self.output_spec: str | None = None  # serialized, for the cache
         self.output_tree: Any = None
         self.output_leaves: list[tuple[str, str]] = []  # (output path, "loss"/"tensor"/"none")
+        self.requires_grad: list[bool] = []  # per flat output: whether torch would differentiate it
 
     def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         module = getattr(self, INNER)
@@ -58,30 +70,23 @@ class FlatCall(torch.nn.Module):
                     f"{type(module).__name__}.forward returned {name} = {type(leaf).__name__}: ORTModule returns "
                     "tensors only (pass use_cache=False to transformers models in training)"
                 )
-            elif self.training and loss is None and _is_loss_path(path):
+            elif self._find_loss and loss is None and _is_loss(path, leaf):
                 loss = leaf
                 kinds.append((name, "loss"))
-            else:  # in eval the loss, if any, is one output among others
+            else:  # without a loss to differentiate, a loss is one output among others
                 tensors.append(leaf)
                 kinds.append((name, "tensor"))
-        if self.training and loss is None:
-            raise OrtpassError(
-                f"{type(module).__name__}.forward returned no loss ({type(output).__name__}): ORTModule trains "
-                "modules whose forward returns a scalar loss tensor or a structure with a `loss` field"
-            )
-        if loss is not None and (loss.dim() != 0 or not loss.is_floating_point()):
-            raise OrtpassError(
-                f"the loss of {type(module).__name__} must be a floating-point scalar, got "
-                f"{describe_tensor(loss)} of shape {tuple(loss.shape)}"
-            )
         self.output_leaves = kinds
-        return (loss, *tensors) if loss is not None else tuple(tensors)
+        flat = (loss, *tensors) if loss is not None else tuple(tensors)
+        self.requires_grad = [t.requires_grad for t in flat]
+        return flat
 
 
-def _is_loss_path(path: tuple) -> bool:
-    if not path:  # the output is the tensor itself
-        return True
-    return len(path) == 1 and getattr(path[0], "key", getattr(path[0], "name", None)) == "loss"
+def _is_loss(path: tuple, leaf: torch.Tensor) -> bool:
+    """The output itself or its ``loss`` field, a floating-point scalar that requires grad."""
+    if leaf.dim() != 0 or not leaf.is_floating_point() or not leaf.requires_grad:
+        return False
+    return not path or (len(path) == 1 and getattr(path[0], "key", getattr(path[0], "name", None)) == "loss")
 
 
 @contextlib.contextmanager

@@ -1,9 +1,12 @@
 """The input schema of a call and the one place that decides graph transitions.
 
 Arguments are bound to ``forward``'s parameter names and flattened with torch's pytree;
-the schema (tensor dtypes and ranks, the values of non-tensor leaves, the nesting, the
-trainable parameters, ``training``) decides the graph, and :class:`GraphTransitionManager`
-says, in the log, why it exports, loads or switches.
+the schema (tensor dtypes, ranks and which require grad, the values of non-tensor
+leaves, the nesting, the trainable parameters, every submodule's ``training`` flag, and
+whether the call is differentiated) decides the graph.  Among the graphs built for one
+schema, a call runs the first whose pinned dims (:mod:`ortpass.runtime.module.dims`)
+have the call's sizes.  :class:`GraphTransitionManager` says, in the log, why it
+exports, loads or switches.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from ortpass.errors import OrtpassError
+from ortpass.runtime.module.dims import PinnedDims
 
 __all__ = ["GraphTransitionManager", "InputSchema", "bind_arguments", "flatten_arguments", "input_schema"]
 
@@ -36,29 +40,47 @@ class InputSchema:
     structure: str  # the pytree spec of the bound arguments
     leaves: tuple[tuple[str, str, str], ...]  # (argument path, "tensor"/"constant", dtype+rank or repr)
     trainable: tuple[str, ...]
-    training: bool
+    training: tuple[str, ...]  # the modules in training mode ("" is the module itself)
+    differentiable: bool  # grad enabled, and a trainable parameter or an input requires grad
 
     def difference(self, previous: InputSchema | None) -> str:
-        """Why a graph built for ``previous`` does not serve this schema, in words."""
+        """Why a graph built for ``previous`` does not serve this schema, in words (every
+        difference, joined by ``; ``)."""
         if previous is None:
             return "first call"
+        reasons = []
+        if self.differentiable != previous.differentiable:
+            reasons.append(
+                "gradients " + ("needed" if self.differentiable else "not needed (no_grad, or nothing requires grad)")
+            )
         if self.training != previous.training:
-            return f"training changed {previous.training} -> {self.training} ({'train' if self.training else 'eval'} graph)"
+            to_train = sorted(set(self.training) - set(previous.training))
+            to_eval = sorted(set(previous.training) - set(self.training))
+            reasons.append(f"modes changed: now training {_modules(to_train)}, now eval {_modules(to_eval)}")
         if self.trainable != previous.trainable:
             added = sorted(set(self.trainable) - set(previous.trainable))
             removed = sorted(set(previous.trainable) - set(self.trainable))
-            return f"trainable parameters changed: +{added} -{removed}"
+            reasons.append(f"trainable parameters changed: +{added} -{removed}")
         old, new = {p: (k, d) for p, k, d in previous.leaves}, {p: (k, d) for p, k, d in self.leaves}
         if set(new) - set(old) or set(old) - set(new):
-            return f"arguments changed: new {sorted(set(new) - set(old))}, gone {sorted(set(old) - set(new))}"
-        for path, (kind, detail) in new.items():
-            if old[path] != (kind, detail):
-                return f"argument {path} changed: {old[path][0]} {old[path][1]} -> {kind} {detail}"
-        return "argument structure changed"
+            reasons.append(f"arguments changed: new {sorted(set(new) - set(old))}, gone {sorted(set(old) - set(new))}")
+        else:
+            reasons.extend(
+                f"argument {path} changed: {old[path][0]} {old[path][1]} -> {kind} {detail}"
+                for path, (kind, detail) in new.items()
+                if old[path] != (kind, detail)
+            )
+        return "; ".join(reasons) or "argument structure changed"
+
+
+def _modules(paths: list[str]) -> str:
+    shown = ["the module" if not p else p for p in paths[:4]]
+    return "[" + ", ".join(shown) + (f" and {len(paths) - 4} more" if len(paths) > 4 else "") + "]"
 
 
 def describe_tensor(t: torch.Tensor) -> str:
-    return f"{str(t.dtype).removeprefix('torch.')}[rank {t.dim()}]"
+    grad = ", requires grad" if t.requires_grad else ""
+    return f"{str(t.dtype).removeprefix('torch.')}[rank {t.dim()}{grad}]"
 
 
 def path_name(path: tuple) -> str:
@@ -82,13 +104,7 @@ def flatten_arguments(module: torch.nn.Module, bound: inspect.BoundArguments) ->
     leaves = []
     for path, leaf in with_paths:
         name = path_name(path)
-        if isinstance(leaf, torch.Tensor):
-            if leaf.requires_grad:
-                raise OrtpassError(
-                    f"argument {name} of {type(module).__name__} requires grad: ORTModule computes gradients "
-                    "for the module's parameters only; pass it detached"
-                )
-        elif not isinstance(leaf, _CONSTANT_TYPES):
+        if not isinstance(leaf, (torch.Tensor, *_CONSTANT_TYPES)):
             raise OrtpassError(
                 f"argument {name} of {type(module).__name__} is a {type(leaf).__name__}, which the ONNX exporter "
                 "cannot see: pass tensors, Python scalars, strings or None, nested in tuples, lists and dicts"
@@ -103,7 +119,9 @@ def input_schema(module: torch.nn.Module, leaves: list[tuple[str, Any]], spec: A
         for name, leaf in leaves
     )
     trainable = tuple(name for name, p in module.named_parameters() if p.requires_grad)
-    return InputSchema(str(spec), described, trainable, module.training)
+    training = tuple(name for name, m in module.named_modules() if m.training)
+    wants_grad = bool(trainable) or any(isinstance(leaf, torch.Tensor) and leaf.requires_grad for _, leaf in leaves)
+    return InputSchema(str(spec), described, trainable, training, torch.is_grad_enabled() and wants_grad)
 
 
 # -- transitions ------------------------------------------------------------------------------
@@ -111,26 +129,58 @@ def input_schema(module: torch.nn.Module, leaves: list[tuple[str, Any]], spec: A
 
 class GraphTransitionManager:
     """Decides, in one place, whether a call runs the current graph, one built before, or
-    a new export; logs every transition with its reason."""
+    a new export; logs every transition with its reason.
+
+    Graphs are kept per schema, each with the dims it is pinned in
+    (:class:`~ortpass.runtime.module.dims.PinnedDims`); a call runs the first graph of
+    its schema that accepts its sizes.
+    """
 
     def __init__(self) -> None:
-        self._graphs: dict[InputSchema, Any] = {}
-        self.current: InputSchema | None = None
-        self.transitions: list[tuple[str, str]] = []  # (action, reason): "export"/"load"/"switch"
+        self._graphs: dict[InputSchema, list[tuple[PinnedDims, Any]]] = {}
+        self.current: tuple[InputSchema, PinnedDims] | None = None
+        self.transitions: list[tuple[str, str]] = []  # (action, reason): "export"/"load"/"switch"/"fallback"
 
-    def graph_for(self, schema: InputSchema, build: Callable[[InputSchema], tuple[Any, str]]) -> Any:
-        if schema == self.current:
-            return self._graphs[schema]
-        reason = schema.difference(self.current)
-        if schema in self._graphs:
-            self._record("switch", f"back to a graph built before: {reason}")
-        else:
-            graph, action = build(schema)
-            self._graphs[schema] = graph
-            self._record(action, reason)
-        self.current = schema
-        return self._graphs[schema]
+    def graph_for(
+        self,
+        schema: InputSchema,
+        tensors: list[torch.Tensor],
+        names: list[str],
+        build: Callable[[InputSchema], tuple[Any, str, PinnedDims]],
+    ) -> Any:
+        built = self._graphs.setdefault(schema, [])
+        for pinned, graph in built:
+            if pinned.accepts(tensors):
+                if self.current != (schema, pinned):
+                    self.record("switch", f"back to a graph built before: {self._reason(schema, tensors, names)}")
+                    self.current = (schema, pinned)
+                return graph
+        reason = self._reason(schema, tensors, names)
+        graph, action, pinned = build(schema)
+        built.append((pinned, graph))
+        self.current = (schema, pinned)
+        self.record(action, reason)
+        return graph
 
-    def _record(self, action: str, reason: str) -> None:
+    def _reason(self, schema: InputSchema, tensors: list[torch.Tensor], names: list[str]) -> str:
+        if self.current is None or self.current[0] != schema:
+            return schema.difference(self.current[0] if self.current else None)
+        return self.current[1].difference(tensors, names)
+
+    @property
+    def current_graph(self) -> Any:
+        """The graph the last call ran (None before the first)."""
+        if self.current is None:
+            return None
+        schema, pinned = self.current
+        return next(graph for p, graph in self._graphs[schema] if p == pinned)
+
+    def clear(self) -> None:
+        """Forget every graph (their sessions go with them)."""
+        self._graphs.clear()
+        self.current = None
+
+    def record(self, action: str, reason: str) -> None:
+        """Log a transition (``export``, ``load``, ``switch``, ``fallback``) with its reason."""
         self.transitions.append((action, reason))
         logger.info("ORTModule graph %s: %s", action, reason)

@@ -1,0 +1,174 @@
+"""How a differentiated call runs on ORT and hands its gradients to torch's autograd.
+
+Two kinds of step, chosen when the graph is built:
+
+- :class:`LossStep`, where the module returns its loss: one forward+backward graph runs
+  in forward, so **gradients are computed during forward** and wait in the Function's
+  context for ``backward()``, which scales them by the loss's incoming gradient
+  (``loss / 4`` for accumulation gives 0.25) and returns them to torch.  Every node runs
+  in one ORT run, so ORT frees each activation at its last reader in backward.  The
+  other outputs (logits) are returned as torch returns them, differentiable; a gradient
+  that reaches one of them raises: this graph differentiates the loss only.
+- :class:`SplitStep`, where the loss is computed outside (or ``differentiate="outputs"``):
+  the graph's forward half runs in forward and returns the outputs and the stashed
+  activations; ``backward()`` feeds the outputs' gradients (zeros for an output that got
+  none) and the stash to the backward half (:class:`~ortpass.runtime.SplitTrainingSession`).
+
+Both return gradients for the trainable parameters and for inputs that require grad.
+Each checks in backward that no parameter or input it read was changed in place since
+forward, as torch's own saved tensors do: backward would read the new values.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import torch
+
+from ortpass.errors import OrtpassError
+from ortpass.runtime.module.flat import INNER
+
+if TYPE_CHECKING:
+    from ortpass.runtime.module.graphs import BuiltGraph
+
+__all__ = ["LossRun", "LossStep", "SplitRun", "SplitStep", "check_unchanged", "to_ortvalue", "to_torch"]
+
+
+def check_unchanged(tensors: Sequence[torch.Tensor], versions: Sequence[int], names: Sequence[str]) -> None:
+    changed = [name for t, v, name in zip(tensors, versions, names) if t._version != v]
+    if changed:
+        raise RuntimeError(
+            f"ORTModule: {changed} were modified by an inplace operation after forward; backward would read the "
+            "new values (torch raises the same for its saved tensors)"
+        )
+
+
+class LossStep(torch.autograd.Function):
+    """Forward runs the whole ORT step; backward returns the gradients it kept."""
+
+    @staticmethod
+    def forward(ctx, run: Callable[[], tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]], names, *inputs):
+        loss, gradients, others = run()
+        ctx.gradients, ctx.names, ctx.other_names = gradients, names, run.other_names
+        ctx.inputs, ctx.versions = inputs, [t._version for t in inputs]
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(*(o for o in others if not o.is_floating_point()))
+        return (loss, *others)
+
+    @staticmethod
+    def backward(ctx, grad_loss, *grad_others):
+        reached = [name for name, g in zip(ctx.other_names, grad_others) if g is not None]
+        if reached:
+            raise OrtpassError(
+                f"ORTModule: a gradient reached output {reached[0]}, but this module returns its loss and the step "
+                "differentiates the loss only; wrap it as ORTModule(model, differentiate='outputs') to "
+                "differentiate every output"
+            )
+        gradients, ctx.gradients = ctx.gradients, None
+        if gradients is None:
+            raise RuntimeError("ORTModule: backward through the same step twice; the gradients were handed over")
+        check_unchanged(ctx.inputs, ctx.versions, ctx.names)
+        if grad_loss is None:
+            return (None, None, *(None for _ in gradients))
+        if grad_loss.numel() == 1 and float(grad_loss) == 1.0:
+            return (None, None, *gradients)  # ORT's tensors become .grad as they are
+        return (None, None, *(g * grad_loss.to(g.dtype) for g in gradients))
+
+
+class SplitStep(torch.autograd.Function):
+    """Forward runs the graph's forward half; backward runs its backward half."""
+
+    @staticmethod
+    def forward(ctx, run: Any, names, *inputs):
+        outputs, ctx.stash = run.forward()
+        ctx.run, ctx.names = run, names
+        ctx.inputs, ctx.versions = inputs, [t._version for t in inputs]
+        ctx.shapes = [(o.shape, o.dtype, o.device) for o in outputs]
+        ctx.set_materialize_grads(False)
+        differentiated = set(run.differentiated)
+        ctx.mark_non_differentiable(*(o for i, o in enumerate(outputs) if i not in differentiated))
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        stash, ctx.stash = ctx.stash, None
+        if stash is None:
+            raise RuntimeError("ORTModule: backward through the same step twice; its activations were freed")
+        check_unchanged(ctx.inputs, ctx.versions, ctx.names)
+        grads = [grad_outputs[i] for i in ctx.run.differentiated]
+        if all(g is None for g in grads):
+            return (None, None, *(None for _ in ctx.inputs))
+        seeds = [
+            g if g is not None else torch.zeros(ctx.shapes[i][0], dtype=ctx.shapes[i][1], device=ctx.shapes[i][2])
+            for g, i in zip(grads, ctx.run.differentiated)
+        ]
+        return (None, None, *ctx.run.backward(stash, seeds))
+
+
+# -- the ORT work each step does ----------------------------------------------------------------
+
+
+def to_ortvalue(t: torch.Tensor):
+    """A C-level OrtValue over ``t``'s memory (DLPack; ORT reads bools as bytes)."""
+    from onnxruntime.capi import _pybind_state as C
+
+    t = t.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    is_bool = t.dtype == torch.bool
+    return C.OrtValue.from_dlpack(torch.utils.dlpack.to_dlpack(t.view(torch.uint8) if is_bool else t), is_bool)
+
+
+def to_torch(value) -> torch.Tensor:
+    tensor = torch.utils.dlpack.from_dlpack(value.to_dlpack())
+    if value.data_type() == "tensor(bool)" and tensor.dtype != torch.bool:
+        tensor = tensor.view(torch.bool)
+    return tensor
+
+
+class LossRun:
+    """The ORT work of one loss step, called by :class:`LossStep` in forward."""
+
+    def __init__(self, module: Any, graph: BuiltGraph, feeds: dict) -> None:
+        self.module, self.graph, self.feeds = module, graph, feeds
+        self.other_names = [name for name, kind in graph.output_leaves if kind == "tensor"]
+
+    def __call__(self):
+        graph = self.graph
+        statistics = [name for bn in graph.batch_norms for name in (bn.mean, bn.inv_std, bn.count)]
+        values = graph.session.run_with_ort_values(self.feeds, graph.outputs + graph.gradient_outputs + statistics)
+        values = [to_torch(v) for v in values]
+        n, g = len(graph.outputs), len(graph.gradient_outputs)
+        self.module._update_batch_norms(graph, values[n + g :])
+        return values[0], values[n : n + g], values[1:n]
+
+
+class SplitRun:
+    """The ORT work of one split step: forward half now, backward half in ``backward()``."""
+
+    def __init__(self, module: Any, graph: BuiltGraph, feeds: dict) -> None:
+        self.module, self.graph, self.feeds = module, graph, feeds
+        self.differentiated = graph.differentiated
+
+    def forward(self):
+        session = self.graph.session
+        outputs, stash = session.run_forward(self.feeds)
+        by_name = dict(zip(session.outputs, (to_torch(v) for v in outputs)))
+        self.module._update_batch_norms(
+            self.graph, [by_name[n] for bn in self.graph.batch_norms for n in (bn.mean, bn.inv_std, bn.count)]
+        )
+        return [by_name[name] for name in self.graph.outputs], stash
+
+    def backward(self, stash, seeds: list[torch.Tensor]) -> list[torch.Tensor]:
+        session = self.graph.session
+        names = [self.graph.outputs[i] for i in self.differentiated]
+        gradients = session.run_backward(self.feeds, stash, dict(zip(names, map(to_ortvalue, seeds))))
+        by_name = dict(zip(session.gradients, (to_torch(g) for g in gradients)))
+        return [by_name[name] for name in self._gradient_names()]
+
+    def _gradient_names(self) -> list[str]:
+        info = self.graph.session.info
+        inputs = [self.graph.tensor_inputs[i] for i in self.graph.inputs_with_grad]
+        return [info.gradients[f"{INNER}.{p}"] for p in self.graph.params] + [info.input_gradients[n] for n in inputs]
+
+

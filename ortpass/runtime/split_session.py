@@ -1,0 +1,110 @@
+"""Run a training graph's forward and backward apart, as two ORT sessions.
+
+:func:`ortpass.training.split.split_training_graph` cuts the graph; this runs the halves.
+Forward takes the batch and the parameters and returns the graph's outputs and the stashed
+values; backward takes those stashed values back, the outputs' gradients (for a graph
+built from outputs) and the inputs it reads, and returns the gradients.  Between the two
+the caller does what it wants with the outputs, as a torch training loop computes its
+loss from the logits.  Sessions use :class:`~ortpass.runtime.TrainingSession`'s options.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import onnx_ir as ir
+
+from ortpass.analysis.partition import get_training_info
+from ortpass.errors import OrtpassError
+from ortpass.runtime.session import open_session, ort_error
+from ortpass.training.split import declare_types, split_training_graph
+
+__all__ = ["SplitTrainingSession"]
+
+logger = logging.getLogger(__name__)
+
+
+class SplitTrainingSession:
+    """Forward and backward of ``model`` (a training graph) in two ORT sessions.
+
+    Args:
+        model: a training graph (after any post-grad passes), built from a loss or from
+            outputs (``build_training_graph(outputs_with_grad=...)``).
+        providers, threads, session_options: as for :class:`~ortpass.runtime.TrainingSession`.
+
+    Attributes:
+        outputs: what :meth:`run_forward` returns first (the graph's forward outputs).
+        gradients: what :meth:`run_backward` returns (gradient output names, in order).
+        seeds: output -> the graph input its gradient is fed to (graphs built from outputs).
+    """
+
+    def __init__(
+        self, model: ir.Model, providers: Any = None, *, threads: int | None = None, session_options: Any = None
+    ) -> None:
+        self.info = get_training_info(model)
+        graphs = split_training_graph(model)
+        self.outputs, self.stashed, self.gradients = graphs.outputs, graphs.stashed, graphs.gradients
+        self.seeds = dict(self.info.seeds)
+        self._output_set = set(self.outputs)
+        self.forward_inputs = [i.name for i in graphs.forward.graph.input]
+        own = {*self.stashed, *self.seeds.values()}
+        self.backward_inputs = [i.name for i in graphs.backward.graph.input if i.name not in own]
+        options = dict(threads=threads, session_options=session_options)
+        self._forward, self.providers = open_session(graphs.forward, model, providers, **options)
+        declare_types(graphs.backward.graph, {o.name: _elem_type(o.type) for o in self._forward.get_outputs()})
+        self._backward, _ = open_session(graphs.backward, model, providers, **options)
+
+    def run_forward(self, feeds: Mapping[str, Any]) -> tuple[list[Any], list[Any]]:
+        """Run forward on C-level OrtValues (``feeds`` holds at least every input forward
+        reads); returns (outputs, stashed values), OrtValues owned by ORT."""
+        fetch = [*self.outputs, *(name for name in self.stashed if name not in self._output_set)]
+        values = dict(zip(fetch, _run(self._forward, {name: feeds[name] for name in self.forward_inputs}, fetch)))
+        return [values[name] for name in self.outputs], [values[name] for name in self.stashed]
+
+    def run_backward(self, feeds: Mapping[str, Any], stashed: Sequence[Any], seeds: Mapping[str, Any]) -> list[Any]:
+        """Run backward: ``feeds`` as given to forward, ``stashed`` as forward returned them,
+        ``seeds`` the gradient of each output in :attr:`seeds`; returns the gradients."""
+        missing = sorted(set(self.seeds) - set(seeds))
+        if missing:
+            raise OrtpassError(f"backward needs the gradient of outputs {missing}")
+        run_feeds = {name: feeds[name] for name in self.backward_inputs}
+        run_feeds.update(zip(self.stashed, stashed))
+        run_feeds.update((self.seeds[output], value) for output, value in seeds.items())
+        return _run(self._backward, run_feeds, self.gradients)
+
+    def run(self, batch: Mapping[str, Any], seeds: Mapping[str, Any] = {}) -> tuple[dict, dict]:
+        """Forward then backward on numpy values (for tests and parity checks): the outputs
+        and the gradients by name."""
+        from onnxruntime.capi import _pybind_state as C
+
+        def ort_value(value):
+            return C.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(np.asarray(value)), C.OrtDevice(0, 0, 0))
+
+        feeds = {name: ort_value(value) for name, value in batch.items()}
+        missing = sorted(set(self.forward_inputs) - set(feeds))
+        if missing:
+            raise OrtpassError(f"batch is missing graph inputs {missing}")
+        outputs, stashed = self.run_forward(feeds)
+        gradients = self.run_backward(feeds, stashed, {k: ort_value(v) for k, v in seeds.items()})
+        return (
+            {name: v.numpy() for name, v in zip(self.outputs, outputs)},
+            {name: v.numpy() for name, v in zip(self.gradients, gradients)},
+        )
+
+
+def _elem_type(ort_type: str) -> int:
+    """ONNX element type from ORT's type string (``tensor(float)``)."""
+    import onnx
+
+    name = ort_type.removeprefix("tensor(").removesuffix(")")
+    names = {"float": "FLOAT", "double": "DOUBLE", "float16": "FLOAT16", "bfloat16": "BFLOAT16", "bool": "BOOL"}
+    return getattr(onnx.TensorProto, names.get(name, name.upper()), onnx.TensorProto.UNDEFINED)
+
+
+def _run(session: Any, feeds: Mapping[str, Any], fetch: Sequence[str]) -> list[Any]:
+    try:
+        return list(session._sess.run_with_ort_values(dict(feeds), list(fetch), None))
+    except Exception as exc:
+        raise OrtpassError(f"the training step failed on ONNX Runtime: {ort_error(exc)}") from exc
