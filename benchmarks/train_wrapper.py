@@ -7,7 +7,13 @@ only (``CausalLMLoss``), so no configuration returns logits.
 Configurations, each in a fresh process:
 
 - ``wrapper``: ``ORTModule(model)`` with the default pipeline (recompute level 1 ...);
-  a step is ``model(ids, labels).backward()``, gradients into ``.grad``;
+  a step is ``model(ids, labels).backward()``, gradients into ``.grad``: one graph
+  computes forward and backward in forward (the loss step);
+- ``wrapper_split``: the same with ``differentiate="outputs"``: forward and backward
+  run apart, the loss's gradient fed to backward (the split step), as a loop that
+  computes its loss outside the module runs;
+- ``wrapper_logits``: that loop: ``ORTModule(GPT2LMHeadModel)`` returns the logits and
+  the loss is ``F.cross_entropy`` in torch;
 - ``session``: the same export and pipeline run by hand: ``TrainingSession.run`` on the
   batch, numpy gradients (what ortpass offered before the wrapper); ``session_dynamic``
   the same with every input dim dynamic, as the wrapper exports;
@@ -52,6 +58,8 @@ if os.environ.get("ORTPASS_BENCH_TINY") == "1":
 
 CONFIGS = [
     ("wrapper", "ORTModule, default pipeline"),
+    ("wrapper_split", "ORTModule, forward and backward apart (differentiate='outputs')"),
+    ("wrapper_logits", "ORTModule returning logits, loss in torch"),
     ("session", "bare TrainingSession loop, default pipeline"),
     ("session_dynamic", "bare TrainingSession loop, every input dim dynamic (as the wrapper exports)"),
     ("torch", "torch eager"),
@@ -77,6 +85,23 @@ def _model(lora: bool):
     if lora:
         add_low_rank_adapters(model, LORA_RANK)
     return CausalLMLoss(model).train()
+
+
+def _logits_loss(model):
+    """``F.cross_entropy`` in torch over the logits ``model(input_ids=ids)`` returns."""
+    import torch
+    import torch.nn.functional as F
+
+    class LogitsLoss(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids, labels):
+            logits = self.model(input_ids=ids, use_cache=False).logits
+            return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+    return LogitsLoss(model)
 
 
 def _batch():
@@ -129,11 +154,18 @@ def child(key: str, steps: int) -> dict:
     else:
         if key == "torch_ckpt":
             model.model.gradient_checkpointing_enable()
-        if key in ("wrapper", "lora_frozen", "lora_full"):
+        if key == "wrapper_logits":
+            model = _logits_loss(model.model)
+        if key.startswith("wrapper") or key.startswith("lora"):
             from ortpass import ORTModule
 
             _arena_off()
-            model = ORTModule(model, pipeline=os.environ.get("ORTPASS_BENCH_PIPELINE") or None)
+            pipeline = os.environ.get("ORTPASS_BENCH_PIPELINE") or None
+            differentiate = "outputs" if key == "wrapper_split" else "auto"
+            if key == "wrapper_logits":
+                model.model = ORTModule(model.model, pipeline=pipeline)
+            else:
+                model = ORTModule(model, pipeline=pipeline, differentiate=differentiate)
             model(ids, labels)  # export, pipeline, session: setup, not a step
 
         def step():
@@ -207,6 +239,12 @@ def markdown(results: dict) -> str:
         overhead = configs["wrapper"]["step_seconds"] / configs["session"]["step_seconds"] - 1
         verdict = "met" if overhead <= 0.05 else "not met"
         lines.append(f"Wrapper step time over the bare session: {overhead:+.1%} (goal: at most +5%: {verdict}).")
+    if "wrapper" in configs and "wrapper_split" in configs:
+        one, split = configs["wrapper"], configs["wrapper_split"]
+        lines.append(
+            f"One graph (loss step) against forward and backward apart (split step): {one['step_seconds']:.2f} vs "
+            f"{split['step_seconds']:.2f} s a step, {one['step_peak_mib']:.0f} vs {split['step_peak_mib']:.0f} MiB."
+        )
     if "lora_frozen" in configs and "lora_full" in configs:
         frozen, full = configs["lora_frozen"]["step_peak_mib"], configs["lora_full"]["step_peak_mib"]
         lines.append(f"LoRA step peak, base frozen vs everything trainable: {frozen:.0f} vs {full:.0f} MiB.")
