@@ -258,16 +258,6 @@ def test_function_whose_inputs_need_no_gradient_exports_in_inference_mode():
     assert _attrs(node)["training_mode"] == 0
 
 
-class _Doubled(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x * 2
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * 2
-
-
 class _ReshapesByOutputShape(torch.nn.Module):
     """Reads the Function output's batch size, as transformers' SDPA path does with
     ``attn_output.shape[0]``: it must stay a run-time value, not the export batch's."""
@@ -277,7 +267,7 @@ class _ReshapesByOutputShape(torch.nn.Module):
         self.linear = torch.nn.Linear(6, 1)
 
     def forward(self, x):
-        out = _Doubled.apply(x)
+        out = TakesAnything.apply(x, 1.0)
         return self.linear(out.reshape(out.shape[0], -1)).square().mean()
 
 

@@ -180,11 +180,7 @@ class TrainingSession:
         ``OrtValue`` of each name in ``fetch``, owned by ORT (hand them to torch with
         ``to_dlpack``).  Parameters have no defaults here: the caller feeds them.
         """
-        _take_runner_error()
-        try:
-            return list(self._session._sess.run_with_ort_values(dict(feeds), list(fetch), None))
-        except Exception as exc:
-            raise OrtpassError(f"the training step failed on ONNX Runtime: {ort_error(exc)}") from exc
+        return run_with_ort_values(self._session, feeds, fetch)
 
 
 def open_session(
@@ -220,6 +216,16 @@ def open_session(
     except Exception as exc:
         raise OrtpassError(f"ONNX Runtime could not load the training graph: {exc}") from exc
     return session, resolved
+
+
+def run_with_ort_values(session: Any, feeds: Mapping[str, Any], fetch: Sequence[str]) -> list[Any]:
+    """Run an ORT ``session`` on C-level OrtValues; a failure names its root cause (a
+    PythonOp's torch error, which ORT reports only as a generic one)."""
+    _take_runner_error()
+    try:
+        return list(session._sess.run_with_ort_values(dict(feeds), list(fetch), None))
+    except Exception as exc:
+        raise OrtpassError(f"the training step failed on ONNX Runtime: {ort_error(exc)}") from exc
 
 
 def _check_gradient_shapes(gradients: Mapping[str, np.ndarray], params: Mapping[str, np.ndarray]) -> None:

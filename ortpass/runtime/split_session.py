@@ -18,7 +18,7 @@ import onnx_ir as ir
 
 from ortpass.analysis.partition import get_training_info
 from ortpass.errors import OrtpassError
-from ortpass.runtime.session import open_session, ort_error
+from ortpass.runtime.session import open_session, run_with_ort_values as _run
 from ortpass.training.split import declare_types, split_training_graph
 
 __all__ = ["SplitTrainingSession"]
@@ -48,6 +48,12 @@ class SplitTrainingSession:
         self.outputs, self.stashed, self.gradients = graphs.outputs, graphs.stashed, graphs.gradients
         self.seeds = dict(self.info.seeds)
         self._output_set = set(self.outputs)
+        initializers = model.graph.initializers
+        self._default_params = {
+            name: initializers[name].const_value.numpy()
+            for name in self.info.params
+            if name in initializers and initializers[name].const_value is not None
+        }
         self.forward_inputs = [i.name for i in graphs.forward.graph.input]
         own = {*self.stashed, *self.seeds.values()}
         self.backward_inputs = [i.name for i in graphs.backward.graph.input if i.name not in own]
@@ -76,13 +82,13 @@ class SplitTrainingSession:
 
     def run(self, batch: Mapping[str, Any], seeds: Mapping[str, Any] = {}) -> tuple[dict, dict]:
         """Forward then backward on numpy values (for tests and parity checks): the outputs
-        and the gradients by name."""
+        and the gradients by name.  Parameters missing from ``batch`` take the model's values."""
         from onnxruntime.capi import _pybind_state as C
 
         def ort_value(value):
             return C.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(np.asarray(value)), C.OrtDevice(0, 0, 0))
 
-        feeds = {name: ort_value(value) for name, value in batch.items()}
+        feeds = {name: ort_value(value) for name, value in {**self._default_params, **batch}.items()}
         missing = sorted(set(self.forward_inputs) - set(feeds))
         if missing:
             raise OrtpassError(f"batch is missing graph inputs {missing}")
@@ -101,10 +107,3 @@ def _elem_type(ort_type: str) -> int:
     name = ort_type.removeprefix("tensor(").removesuffix(")")
     names = {"float": "FLOAT", "double": "DOUBLE", "float16": "FLOAT16", "bfloat16": "BFLOAT16", "bool": "BOOL"}
     return getattr(onnx.TensorProto, names.get(name, name.upper()), onnx.TensorProto.UNDEFINED)
-
-
-def _run(session: Any, feeds: Mapping[str, Any], fetch: Sequence[str]) -> list[Any]:
-    try:
-        return list(session._sess.run_with_ort_values(dict(feeds), list(fetch), None))
-    except Exception as exc:
-        raise OrtpassError(f"the training step failed on ONNX Runtime: {ort_error(exc)}") from exc

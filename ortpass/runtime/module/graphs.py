@@ -50,9 +50,14 @@ class BuiltGraph:
     gradient_outputs: list[str]  # loss step: parameters' then inputs' gradients
     differentiated: list[int]  # split step: the flat outputs whose gradients backward takes
     batch_norms: list[BatchNormUpdate]
-    written_by_ort: frozenset[str]  # buffers ORT would write in place: fed as copies
     output_spec: Any  # a TreeSpec
     output_leaves: list[tuple[str, str]]
+
+    @property
+    def written_by_ort(self) -> set[str]:
+        """The buffers ORT writes over while it runs (BatchNorm's running statistics, which
+        ``BatchNormInternal`` outputs in place of its inputs): fed as copies."""
+        return {f"{bn.module}.{stat}".lstrip(".") for bn in self.batch_norms for stat in ("running_mean", "running_var")}
 
 
 class _ForwardSession:
@@ -64,9 +69,9 @@ class _ForwardSession:
         self._session, _ = open_session(ir.to_proto(model), model, providers, threads=threads)
 
     def run_with_ort_values(self, feeds, fetch):
-        from ortpass.runtime.split_session import _run
+        from ortpass.runtime.session import run_with_ort_values
 
-        return _run(self._session, feeds, fetch)
+        return run_with_ort_values(self._session, feeds, fetch)
 
 
 def _graph_input_name(path: str, taken: set[str]) -> str:
@@ -197,21 +202,16 @@ class GraphBuilding:
         }
         # A leaf requiring grad makes the outputs it reaches require grad in the trace.
         traced = [t.detach().requires_grad_(t.requires_grad) for t in tensors]
-        with checkpointing_disabled(self.module, self._notice_checkpointing):
-            if kind != "train":
-                with torch.no_grad():
-                    return export(
-                        flat, tuple(traced), input_names=names, loss_name=None, opset=self.opset,
-                        dynamic_axes=dynamic, training=None, fused_attention=self.fused_attention,
-                        density_threshold=None,
-                    )  # fmt: skip
-            with torch.enable_grad():  # a call under no_grad that updates BatchNorm statistics
-                return export(
-                    flat, tuple(traced), input_names=names, loss_name=None, opset=self.opset, dynamic_axes=dynamic,
-                    training=None, fused_attention=self.fused_attention,
-                    inputs_with_grad=[n for n, t in zip(names, tensors) if t.requires_grad],
-                    outputs_with_grad=[],
-                )  # fmt: skip
+        train = kind == "train"
+        # Grad enabled for a training graph even under the caller's no_grad (a call that only
+        # updates BatchNorm statistics): the trace tells which outputs require grad.
+        with checkpointing_disabled(self.module, self._notice_checkpointing), torch.set_grad_enabled(train):
+            return export(
+                flat, tuple(traced), input_names=names, loss_name=None, opset=self.opset, dynamic_axes=dynamic,
+                training=None, fused_attention=self.fused_attention, density_threshold=90.0 if train else None,
+                inputs_with_grad=[n for n, t in zip(names, tensors) if t.requires_grad and train],
+                outputs_with_grad=[],  # decided below from what the trace says requires grad
+            )  # fmt: skip
 
     def _export_and_optimize(self, kind, leaves, spec, bound, tensors, static) -> tuple[ir.Model, dict, Any]:
         from ortpass.infra.metadata import update_export_info
@@ -221,7 +221,9 @@ class GraphBuilding:
         named = [*self.module.named_parameters(remove_duplicate=False), *self.module.named_buffers(remove_duplicate=False)]
         state = {f"{INNER}.{n}" for n, _ in named}
         model = self._export(flat, names, tensors, static, kind)
-        has_loss = bool(flat.output_leaves) and any(k == "loss" for _, k in flat.output_leaves)
+        # Read now: the export at other sizes below traces ``flat`` again.
+        output_leaves, output_spec, output_tree = flat.output_leaves, flat.output_spec, flat.output_tree
+        has_loss = any(k == "loss" for _, k in output_leaves)
         outputs = _name_outputs(model, has_loss)
         if kind == "train":
             differentiated = [o for o, needs in zip(outputs, flat.requires_grad) if needs]
@@ -248,13 +250,12 @@ class GraphBuilding:
             "inputs_with_grad": [i for i, t in enumerate(tensors) if t.requires_grad and kind == "train"],
             "state_inputs": [[n, n.removeprefix(f"{INNER}.")] for n in stripped if n in graph_inputs],
             "outputs": outputs,
-            "requires_grad": flat.requires_grad,
             "batch_norms": [bn.to_list() for bn in batch_norms],
-            "output_spec": flat.output_spec,
-            "output_leaves": flat.output_leaves,
+            "output_spec": output_spec,
+            "output_leaves": output_leaves,
             "pin": pin,
         }
-        return model, meta, flat.output_tree
+        return model, meta, output_tree
 
     def _pins(self, flat, names, tensors, static, kind, model: ir.Model, state: set[str]) -> set[tuple[int, int]]:
         """The dims this graph is pinned in: those exported static, and those a second
@@ -300,10 +301,6 @@ class GraphBuilding:
             gradient_outputs=gradient_outputs,
             differentiated=differentiated,
             batch_norms=[BatchNormUpdate(*entry) for entry in meta["batch_norms"]],
-            written_by_ort=frozenset(
-                f"{entry[0]}.{stat}" if entry[0] else stat for entry in meta["batch_norms"]
-                for stat in ("running_mean", "running_var")
-            ),  # fmt: skip
             output_spec=output_spec,
             output_leaves=[tuple(pair) for pair in meta["output_leaves"]],
         )
