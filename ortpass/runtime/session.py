@@ -38,6 +38,7 @@ import onnx_ir as ir
 from ortpass.analysis.partition import get_training_info
 from ortpass.conventions import REPLAY_OF_KEY, SIDE_KEY, is_onnx_domain
 from ortpass.errors import OrtpassError
+from ortpass.io import load
 from ortpass.training.build import clamp_for_ort
 
 __all__ = [
@@ -48,6 +49,7 @@ __all__ = [
     "disabled_optimizers",
     "dropout_mask_names",
     "forward_dropouts",
+    "training_model",
     "with_dropout_masks",
 ]
 
@@ -76,7 +78,9 @@ class TrainingSession:
     """One ORT session over a training graph.
 
     Args:
-        model: a training graph from ``build_training_graph`` (after any post-grad passes).
+        model: a training graph from ``build_training_graph`` (after any post-grad passes),
+            or the path of one saved to a file (``str`` or ``os.PathLike``, read with
+            :func:`ortpass.io.load`).
         providers: ``None`` or ``"cpu"`` for the CPU EP; ``"cuda"`` for the CUDA EP (with
             CPU fallback), which needs the ``onnxruntime-training`` CUDA build; or an
             explicit ORT provider list.
@@ -101,7 +105,7 @@ class TrainingSession:
 
     def __init__(
         self,
-        model: ir.Model,
+        model: ir.Model | str | os.PathLike,
         providers: str | Sequence[str] | None = None,
         *,
         extra_outputs: Sequence[str] = (),
@@ -109,6 +113,7 @@ class TrainingSession:
         threads: int | None = None,
         session_options: Any = None,
     ) -> None:
+        model = training_model(model)
         self.info = get_training_info(model)
         if self.info.loss is None:
             raise OrtpassError(
@@ -181,6 +186,17 @@ class TrainingSession:
         ``to_dlpack``).  Parameters have no defaults here: the caller feeds them.
         """
         return run_with_ort_values(self._session, feeds, fetch)
+
+
+def training_model(model: ir.Model | str | os.PathLike) -> ir.Model:
+    """``model`` itself, or the model saved at that path: sessions take either."""
+    if isinstance(model, ir.Model):
+        return model
+    if isinstance(model, (str, os.PathLike)):
+        return load(model)
+    kind = f"{type(model).__module__}.{type(model).__qualname__}"
+    raise OrtpassError(f"a session runs an onnx_ir.Model or a saved model's path (str or os.PathLike), not a {kind}; "
+                       "for an onnx.ModelProto, pass onnx_ir.from_proto(proto)")
 
 
 def open_session(

@@ -11,6 +11,7 @@ loss from the logits.  Sessions use :class:`~ortpass.runtime.TrainingSession`'s 
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -18,7 +19,7 @@ import onnx_ir as ir
 
 from ortpass.analysis.partition import get_training_info
 from ortpass.errors import OrtpassError
-from ortpass.runtime.session import open_session, run_with_ort_values as _run
+from ortpass.runtime.session import open_session, run_with_ort_values as _run, training_model
 from ortpass.training.split import declare_types, split_training_graph
 
 __all__ = ["SplitTrainingSession"]
@@ -31,7 +32,8 @@ class SplitTrainingSession:
 
     Args:
         model: a training graph (after any post-grad passes), built from a loss or from
-            outputs (``build_training_graph(outputs_with_grad=...)``).
+            outputs (``build_training_graph(outputs_with_grad=...)``), or the path of one
+            saved to a file.
         providers, threads, session_options: as for :class:`~ortpass.runtime.TrainingSession`.
 
     Attributes:
@@ -41,8 +43,10 @@ class SplitTrainingSession:
     """
 
     def __init__(
-        self, model: ir.Model, providers: Any = None, *, threads: int | None = None, session_options: Any = None
+        self, model: ir.Model | str | os.PathLike, providers: Any = None, *, threads: int | None = None,
+        session_options: Any = None,
     ) -> None:
+        model = training_model(model)
         self.info = get_training_info(model)
         graphs = split_training_graph(model)
         self.outputs, self.stashed, self.gradients = graphs.outputs, graphs.stashed, graphs.gradients
