@@ -1,6 +1,6 @@
 """The shape of the package: data flows one way, passes stand alone, modules stay small.
 
-The stages, in the order data flows (README, "Architecture"); a module may import its own
+The stages, in the order data flows (docs/design/architecture.md); a module may import its own
 stage and earlier ones, never a later one, and no pass imports another pass.
 """
 

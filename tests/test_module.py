@@ -442,34 +442,6 @@ def test_a_stale_or_foreign_cache_entry_is_never_used(tmp_path):
     assert again.graph_builds == 1
 
 
-def test_the_readme_first_example_trains_with_a_torch_optimizer(tmp_path, monkeypatch, capsys):
-    import re
-
-    text = (REPO / "README.md").read_text(encoding="utf-8")
-    example = re.search(r"```python\n(.*?)```", text, re.S).group(1)  # the README's first Python block
-    assert "ORTModule(" in example and "torch.optim." in example
-    monkeypatch.chdir(tmp_path)
-    torch.manual_seed(0)
-    namespace: dict = {}
-    exec(compile(example, "README.md", "exec"), namespace)
-    assert namespace["model"].graph_builds == 1
-    assert "loss after 20 steps" in capsys.readouterr().out
-    assert all(p.grad is None for p in namespace["model"].parameters())  # zero_grad after the last step
-
-
-def test_the_readme_loss_in_torch_example_trains_one_graph_through_a_short_batch(tmp_path, monkeypatch, capsys):
-    import re
-
-    text = (REPO / "README.md").read_text(encoding="utf-8")
-    example = next(b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "F.cross_entropy(logits" in b)
-    monkeypatch.chdir(tmp_path)
-    torch.manual_seed(0)
-    namespace: dict = {}
-    exec(compile(example, "README.md", "exec"), namespace)
-    assert namespace["model"].graph_builds == 1
-    assert "1 graph for 3 steps" in capsys.readouterr().out
-
-
 @pytest.mark.slow
 def test_the_training_benchmark_runs_on_a_tiny_model(monkeypatch):
     import importlib.util

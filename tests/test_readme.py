@@ -1,4 +1,5 @@
-"""The README's fresh-machine commands are what CI runs, and its Python example runs."""
+"""The README's fresh-machine commands are what CI runs (its Python blocks run in
+tests/test_docs.py)."""
 
 import re
 from pathlib import Path
@@ -19,11 +20,3 @@ def test_ci_runs_the_readme_commands_verbatim():
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
     for command in commands:
         assert command in ci, f"{command!r} is in the README but not in .ci/run"
-
-
-def test_the_readme_python_example_runs(tmp_path, monkeypatch):
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    example = re.search(r"## The path, in Python.*?```python\n(.*?)```", text, re.S)
-    assert example, "the README has a Python example of the path"
-    monkeypatch.chdir(tmp_path)
-    exec(compile(example.group(1), "README.md", "exec"), {})
