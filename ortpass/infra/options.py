@@ -11,12 +11,16 @@ truthy), and a str is not a list of names (``params='fc1.weight'`` would be read
 letter).  An int is accepted where a float is declared.  An annotation this module cannot
 judge (a class no literal can be, an unresolvable name) lets the value through to the
 constructor, which decides.
+
+The same annotations describe the options to a person (:func:`describe_options`, what
+``ortpass list-passes`` prints): ``level: 0|1|2 = 0``, ``min_elements: int>=0|None = None``.
 """
 
 from __future__ import annotations
 
 import collections.abc
 import dataclasses
+import enum
 import inspect
 import logging
 import types
@@ -25,7 +29,17 @@ from typing import Annotated, Any, Literal, Mapping
 
 from ortpass.errors import PipelineSpecError, elide
 
-__all__ = ["AtLeast", "NonNegativeInt", "ProbeLevelOption", "RecomputeLevel", "check_options", "option_types"]
+__all__ = [
+    "AtLeast",
+    "NonNegativeInt",
+    "OptionInfo",
+    "ProbeLevelOption",
+    "RecomputeLevel",
+    "check_options",
+    "describe_options",
+    "option_types",
+    "type_text",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -162,5 +176,67 @@ def _describe(annotation: Any) -> str:
     if _is_sequence(origin):
         return f"a list of {_describe(args[0]) if args else 'values'}"
     if annotation is type(None):
+        return "None"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+@dataclasses.dataclass(frozen=True)
+class OptionInfo:
+    """One option of a pass as a person reads it: ``name: type = default``."""
+
+    name: str
+    type: str  # as type_text writes it; "any" where nothing is declared
+    default: str | None  # as a pipeline literal; None: the option must be given
+
+    def __str__(self) -> str:
+        return f"{self.name}: {self.type}" + ("" if self.default is None else f" = {self.default}")
+
+
+def describe_options(cls: type) -> list[OptionInfo]:
+    """The keyword options of pass class ``cls``, in declaration order, with the types its
+    ``__init__`` declares and its defaults ([] for a constructor inspect cannot read)."""
+    try:
+        parameters = list(inspect.signature(cls).parameters.values())
+    except (TypeError, ValueError):
+        return []
+    declared = option_types(cls)
+    options = []
+    for p in parameters:
+        if p.kind not in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY):
+            continue
+        annotation = declared.get(p.name, p.annotation)
+        default = None if p.default is inspect.Parameter.empty else _literal(p.default)
+        options.append(OptionInfo(p.name, type_text(annotation), default))
+    return options
+
+
+def _literal(value: Any) -> str:
+    """A default as it would be written in a pipeline (an enum member as its value)."""
+    if isinstance(value, enum.Enum):
+        value = value.value
+    return repr(value)
+
+
+def type_text(annotation: Any) -> str:
+    """A declared option type in few characters: ``0|1|2``, ``int>=0``, ``list[str]``,
+    ``str|None``; an annotation left as text (unresolvable) is printed as written."""
+    if annotation is Any or annotation is inspect.Parameter.empty:
+        return "any"
+    if isinstance(annotation, str):
+        return annotation
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin is Annotated:
+        bounds = [f">={b.minimum}" for b in args[1:] if isinstance(b, AtLeast)]
+        return type_text(args[0]) + "".join(bounds)
+    if origin in (typing.Union, types.UnionType):
+        members = [a for a in args if a is not type(None)]
+        text = "|".join(type_text(a) for a in members)
+        return f"{text}|None" if len(members) < len(args) else text
+    if origin is Literal:
+        return "|".join(repr(a) for a in args)
+    if _is_sequence(origin):
+        return f"list[{type_text(args[0]) if args else 'any'}]"
+    if annotation is type(None) or annotation is None:
         return "None"
     return getattr(annotation, "__name__", str(annotation))

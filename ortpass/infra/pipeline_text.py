@@ -30,7 +30,7 @@ _OPTION_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _SCALARS = (bool, int, float, str, type(None))
 _CLOSING = {"(": ")", "[": "]", "{": "}"}
 
-__all__ = ["PassSpec", "parse_pipeline", "pipeline"]
+__all__ = ["PassSpec", "parse_pipeline", "passes_from_text", "pipeline"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,6 +226,12 @@ def _construct(spec: PassSpec) -> ir.passes.PassBase:
         ) from exc
 
 
+def passes_from_text(spec: str) -> list[ir.passes.PassBase]:
+    """The passes ``spec`` names, built with their options checked, in the order written
+    (no manager: the caller orders them, e.g. once it knows what the input model is)."""
+    return [_construct(s) for s in parse_pipeline(spec)]
+
+
 def pipeline(spec: str, **manager_kwargs: Any) -> PassManager:
     """Build a :class:`PassManager` from text such as ``"a,b(opt=1,name='x'),c"``.
 
@@ -234,4 +240,4 @@ def pipeline(spec: str, **manager_kwargs: Any) -> PassManager:
     checked against the pass constructor.  ``manager_kwargs`` go to PassManager.
     Raises PipelineSpecError naming the pass, option or text position that is wrong.
     """
-    return PassManager([_construct(s) for s in parse_pipeline(spec)], **manager_kwargs)
+    return PassManager(passes_from_text(spec), **manager_kwargs)

@@ -11,6 +11,14 @@ from typing import Any
 import onnx
 import onnx_ir as ir
 
+from ortpass.infra.text_table import (
+    column_widths,
+    detail_lines,
+    fits,
+    format_table,
+    render_row,
+    rule_line,
+)
 from ortpass.io import write_file
 
 
@@ -85,31 +93,52 @@ class PassReport:
     def save(self, path: str | os.PathLike) -> None:
         write_file(path, self.to_json() + "\n")
 
-    def to_table(self) -> str:
-        """A fixed-width text table, one row per pass, and a total line."""
-        header = ("#", "pass", "ms", "check ms", "changed", "nodes", "added", "removed", "stats")
-        rows = [header] + [_table_row(r) for r in self.records]
-        widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
-        numeric = {0, 2, 3}  # right-align numbers
-        lines = [
-            "  ".join(cell.rjust(w) if c in numeric else cell.ljust(w) for c, (cell, w) in enumerate(zip(row, widths))).rstrip()
-            for row in rows
-        ]
-        lines.insert(1, "  ".join("-" * w for w in widths))
-        if self.records:
-            first, last = self.records[0], self.records[-1]
-            nodes_after = last.nodes_before if last.failed else last.nodes_after
-            final_check = f" (final check {self.final_check_seconds * 1000:.1f})" if self.final_check_seconds else ""
-            lines.append(
-                f"total: {len(self.records)} passes, {self.total_seconds * 1000:.1f} ms{final_check}, "
-                f"nodes {first.nodes_before} -> {nodes_after}"
-            )
-        else:
-            lines.append("total: no passes ran")
-        return "\n".join(lines)
+    def to_table(self, width: int | None = None) -> str:
+        """A fixed-width text table, one row per pass, and a total line.
+
+        ``width``: the characters a line may take (the command gives the terminal's).  The
+        whole table is printed where it fits; where it does not, each pass's row keeps
+        the short columns and its nodes added and removed, statistics or error go on
+        lines under it, wrapped at the width (:mod:`ortpass.infra.text_table`).  None
+        (the default): the whole table, however wide.
+        """
+        rows = [_HEADER] + [_table_row(r) for r in self.records]
+        lines = format_table(rows, right=_NUMERIC)
+        if not fits(lines, width):
+            lines = self._narrow_lines(width)
+        return "\n".join([*lines, self._total_line()])
+
+    def _narrow_lines(self, width: int | None) -> list[str]:
+        """The short columns as a table, the long ones as detail lines under each row."""
+        short = len(_HEADER) - 3  # up to "nodes"; added, removed and stats go under the row
+        rows = [_table_row(r) for r in self.records]
+        widths = column_widths([_HEADER[:short]] + [row[:short] for row in rows], width=width)
+        lines = [*render_row(_HEADER[:short], widths, right=_NUMERIC), rule_line(widths)]
+        for record, row in zip(self.records, rows):
+            lines += render_row(row[:short], widths, right=_NUMERIC)
+            added, removed, stats = row[short:]
+            for label, text in (("added", added), ("removed", removed), ("error" if record.failed else "stats", stats)):
+                if text != "-":
+                    lines += detail_lines(label, text, width=width)
+        return lines
+
+    def _total_line(self) -> str:
+        if not self.records:
+            return "total: no passes ran"
+        first, last = self.records[0], self.records[-1]
+        nodes_after = last.nodes_before if last.failed else last.nodes_after
+        final_check = f" (final check {self.final_check_seconds * 1000:.1f})" if self.final_check_seconds else ""
+        return (
+            f"total: {len(self.records)} passes, {self.total_seconds * 1000:.1f} ms{final_check}, "
+            f"nodes {first.nodes_before} -> {nodes_after}"
+        )
 
     def __str__(self) -> str:
         return self.to_table()
+
+
+_HEADER = ("#", "pass", "ms", "check ms", "changed", "nodes", "added", "removed", "stats")
+_NUMERIC = {0, 2, 3}  # right-aligned
 
 
 def _table_row(r: PassRecord) -> tuple[str, ...]:

@@ -13,6 +13,7 @@ import onnx_ir as ir
 import sympy
 
 from ortpass.analysis.plans import PlanSpec, PlanType, parse_plans
+from ortpass.infra.text_table import format_table, wrap_line
 
 __all__ = ["Occurrence", "PlanRecord", "RecomputeReport", "SkippedCandidate", "StashedActivation"]
 
@@ -197,32 +198,45 @@ class RecomputeReport:
             sizes[s.buffer] = s.bytes
         return None if any(v is None for v in sizes.values()) else sum(sizes.values())  # type: ignore[misc]
 
-    def to_table(self, enabled: str | Sequence[str | PlanSpec] | None = None) -> str:
-        """A table like ORTModule's: plan, ON/OFF, frequency, saving, symbolic saving."""
+    def to_table(
+        self,
+        enabled: str | Sequence[str | PlanSpec] | None = None,
+        *,
+        width: int | None = None,
+        status: bool = True,
+        title: str = "Recompute plans",
+    ) -> str:
+        """A table like ORTModule's: plan, ON/OFF, frequency, saving, symbolic saving.
+
+        ``enabled``: the plans marked ON.  ``status=False`` leaves the Status column out
+        (a report that enables nothing would mark every plan OFF, which reads as "this
+        recompute does nothing").  ``title`` starts the first line.  ``width``: the
+        characters a line may take; plan strings and savings wrap to fit (see
+        :mod:`ortpass.infra.text_table`).  None: every row on one line.
+        """
         on = {o.cluster + f":{int(o.type)}" for o in self.select(enabled)} if enabled else set()
         header = (
-            f"Recompute plans (probe level {self.probe_level}, layer boundary "
+            f"{title} (probe level {self.probe_level}, layer boundary "
             f"{'ON' if self.layer_boundary else 'OFF'}, {len(self.layer_boundaries)} layer boundaries; "
             f"dims: {dims_text(self.dims, self.dims_source)})"
         )
         rows = [("", "Status", "Plan", "Freq", "Saving(B)", "Saving Symbolic(Bytes)")]
         for i, record in enumerate(self.plans, 1):
-            status = "ON" if f"{record.cluster}:{int(record.type)}" in on else "OFF"
+            state = "ON" if f"{record.cluster}:{int(record.type)}" in on else "OFF"
             saving = "?" if record.saving_bytes is None else f"{record.saving_bytes:,}"
-            rows.append(
-                (f" - Plan {i}", status, record.plan_string, str(record.frequency), saving, str(record.symbolic_saving))
-            )
-        widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-        lines = [header]
-        for row in rows:
-            lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+            rows.append((f" - Plan {i}", state, record.plan_string, str(record.frequency), saving, str(record.symbolic_saving)))
+        if not status:
+            rows = [row[:1] + row[2:] for row in rows]
+        wrap = {len(rows[0]) - 4, len(rows[0]) - 1}  # the plan string and the symbolic saving
         total = self.total_stashed_bytes
-        lines.append(
+        footer = (
             f"Stashed activations: {len(self.stashed)}"
             + (f", {total:,} bytes in {len({s.buffer for s in self.stashed})} buffers" if total is not None else "")
             + f"; no plan for {len(self.skipped)} of their producers"
         )
-        lines.extend(f"Note: {note}" for note in self.notes)
+        lines = [*wrap_line(header, width), *format_table(rows, width=width, wrap=wrap, rule=False), *wrap_line(footer, width)]
+        for note in self.notes:
+            lines += wrap_line(f"Note: {note}", width)
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
@@ -240,12 +254,14 @@ class RecomputeReport:
             "skipped": [s.to_dict() for s in self.skipped],
         }
 
-    def plot(self, path: str | os.PathLike, plans: str | Sequence[str | PlanSpec] | None = None) -> str:
+    def plot(
+        self, path: str | os.PathLike, plans: str | Sequence[str | PlanSpec] | None = None, *, baseline: str = "no recompute"
+    ) -> str:
         """Write a PNG of live stashed bytes along execution order, without and with ``plans``
-        (default: every type-1 plan).  Returns the path."""
+        (default: every type-1 plan); ``baseline`` labels the graph as analysed.  Returns the path."""
         from ortpass.analysis.recompute.timeline import plot_memory_timeline
 
-        return plot_memory_timeline(self, path, plans)
+        return plot_memory_timeline(self, path, plans, baseline=baseline)
 
 
 def dims_text(dims: Mapping[str, int] | None, source: str) -> str:
