@@ -9,9 +9,11 @@ A golden model is a Python file ``<dir>/<name>.py`` defining ``case() -> GoldenC
 and lists, one readable line each, what no longer matches: op-type histograms after every
 pass, which passes changed what (nodes added/removed, their statistics), the recompute
 plan table of the training graph, and the loss and gradient summaries within tolerance.
-``update`` rewrites the expectations only when asked, and refuses to record a step whose
-loss and gradients disagree with torch eager, so a recorded number has been checked
-against an independent implementation, not copied from the code under test.
+``update`` rewrites the expectations only when asked, only those that changed beyond the
+tolerance ``check`` applies (a file with nothing changed stays byte for byte as it was),
+and refuses to record a step whose loss and gradients disagree with torch eager, so a
+recorded number has been checked against an independent implementation, not copied from
+the code under test.
 
 The case file is user code: ``check`` and ``update`` import and run every case file of
 the directory they are given (``ortpass golden`` without ``--dir``: ``./golden_models``
@@ -34,7 +36,7 @@ import onnx_ir as ir
 from ortpass.conventions import op_label
 from ortpass.errors import GoldenCaseError, elide
 
-__all__ = ["GoldenCase", "GoldenResult", "check", "compare", "discover", "load_case", "run_case", "update"]
+__all__ = ["GoldenCase", "GoldenResult", "GoldenUpdate", "check", "compare", "discover", "load_case", "run_case", "update"]
 
 logger = logging.getLogger(__name__)
 
@@ -161,24 +163,114 @@ def check(directory: str | Path, names: Sequence[str] | None = None) -> list[Gol
     return results
 
 
-def update(directory: str | Path, names: Sequence[str] | None = None, *, save_forward: bool = True) -> list[Path]:
-    """Re-record expectations (and the exported forward model ``<name>.onnx``)."""
+@dataclasses.dataclass
+class GoldenUpdate:
+    """What :func:`update` did to one golden model: ``differences`` are what changed beyond
+    the check's tolerance (empty: nothing did), ``written`` the files it rewrote and
+    ``unchanged`` those it left byte for byte as they were."""
+
+    name: str
+    differences: list[str]
+    written: list[Path]
+    unchanged: list[Path]
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.written)
+
+
+def update(directory: str | Path, names: Sequence[str] | None = None, *, save_forward: bool = True) -> list[GoldenUpdate]:
+    """Re-record the expectations (and the exported forward model ``<name>.onnx``) that
+    changed, and only those.
+
+    The expectations are rewritten only where :func:`check` would report a difference
+    (the same comparison, the same ``rtol``), and then every number within tolerance keeps
+    its recorded value, so the file changes exactly where the behaviour did, not in the
+    last digits of float sums.  The forward model is written only when the export
+    changed (the producer's name and version, which move with torch, are not a change).
+    """
     from ortpass import io as ortpass_io
 
-    written = []
+    results = []
     for name, path in _selected(directory, names).items():
         case = load_case(path)
         record, forward, training = run_case(case)
-        if case.parity:
-            record["step"]["torch_parity"] = _torch_parity(case, training)
         expected_path = path.with_name(name + EXPECTED_SUFFIX)
-        ortpass_io.write_file(expected_path, json.dumps(record, indent=2, sort_keys=False) + "\n")
-        written.append(expected_path)
+        recorded = _recorded(expected_path)
+        differences = _update_differences(recorded, record, case)
+        result = GoldenUpdate(name, differences, [], [])
+        if differences:
+            if case.parity:
+                record["step"]["torch_parity"] = _torch_parity(case, training)
+            if recorded is not None:
+                record = _keep_within_tolerance(recorded, record)
+            ortpass_io.write_file(expected_path, json.dumps(record, indent=2, sort_keys=False) + "\n")
+            result.written.append(expected_path)
+        else:
+            result.unchanged.append(expected_path)
         if save_forward:
             onnx_path = path.with_name(name + ".onnx")
-            ortpass_io.save(forward, onnx_path, overwrite=True)
-            written.append(onnx_path)
-    return written
+            if _same_export(onnx_path, forward):
+                result.unchanged.append(onnx_path)
+            else:
+                ortpass_io.save(forward, onnx_path, overwrite=True)
+                result.written.append(onnx_path)
+        logger.info("golden %s: %s", name, "rewritten" if result.changed else "unchanged")
+        results.append(result)
+    return results
+
+
+def _recorded(path: Path) -> dict[str, Any] | None:
+    """The recorded expectations, or None where there are none to keep (no file, or one
+    that cannot be read: update replaces it)."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (ValueError, OSError) as exc:
+        logger.warning("%s cannot be read (%s); writing it anew", path, elide(str(exc)))
+        return None
+
+
+def _update_differences(recorded: dict[str, Any] | None, record: dict[str, Any], case: GoldenCase) -> list[str]:
+    if recorded is None:
+        return ["no expectations recorded"]
+    differences = compare(recorded, record)
+    if case.parity and "torch_parity" not in recorded.get("step", {}):
+        differences.append("step.torch_parity: not recorded")  # evidence update owes the record
+    return differences
+
+
+def _keep_within_tolerance(recorded: Any, record: Any, *, rtol: float | None = None, path: str = "") -> Any:
+    """``record``, with each value :func:`compare` finds within tolerance of ``recorded``
+    replaced by the recorded one (so rewriting a file changes only what changed)."""
+    if rtol is None and isinstance(recorded, dict) and "step" in recorded:
+        rtol = recorded["step"].get("rtol", 1e-4)
+    if isinstance(recorded, dict) and isinstance(record, dict):
+        return {
+            key: _keep_within_tolerance(recorded[key], value, rtol=rtol, path=f"{path}.{key}" if path else str(key))
+            if key in recorded and key != "torch_parity"  # fresh evidence for the numbers written
+            else value
+            for key, value in record.items()
+        }
+    if isinstance(recorded, list) and isinstance(record, list) and len(recorded) == len(record):
+        return [_keep_within_tolerance(r, a, rtol=rtol, path=f"{path}[{i}]") for i, (r, a) in enumerate(zip(recorded, record))]
+    return recorded if not compare(recorded, record, rtol=rtol, path=path) else record
+
+
+def _same_export(path: Path, forward: ir.Model) -> bool:
+    """Whether ``path`` holds ``forward`` as it would be saved, producer aside."""
+    import onnx
+
+    if not path.is_file():
+        return False
+    try:
+        saved = onnx.load(str(path), load_external_data=False)
+    except Exception:  # noqa: BLE001 - unreadable: write it anew
+        return False
+    fresh = ir.to_proto(forward)
+    fresh.producer_name, fresh.producer_version = saved.producer_name, saved.producer_version
+    return saved == fresh
 
 
 def compare(expected: Any, actual: Any, *, rtol: float | None = None, path: str = "") -> list[str]:
