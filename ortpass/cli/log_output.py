@@ -20,8 +20,12 @@ def configure_logging(verbosity: int) -> Callable[[], None]:
 
     Only the ``ortpass`` logger is configured, and it stops propagating while the command
     runs: importing onnxruntime's training build configures the root logger, which would
-    print every line twice.  onnx_ir's own warnings (a model's quirks it works around) are
-    held back unless ``-v``: ortpass names what matters about the model itself.  Each
+    print every line twice.  The warnings of the loggers in :data:`QUIETED` are held back
+    unless ``-v``: onnx_ir's (a model's quirks it works around: ortpass names what matters
+    about the model itself), and torch's C++-extension builder's, which warns "No CUDA
+    runtime is found, using CUDA_HOME=..." on a machine without a GPU whenever anything
+    imports ONNX Runtime's training build (its validation imports ORTModule, which imports
+    torch.utils.cpp_extension; ortpass builds no extension).  Each
     line is one line, at most :data:`MAX_LINE` characters, and a warning that repeats is
     printed once and counted at the end.  The undo restores the loggers, so calling main()
     from Python (tests, notebooks) leaves the caller's logging as it was.
@@ -38,19 +42,24 @@ def configure_logging(verbosity: int) -> Callable[[], None]:
     package_logger.addHandler(handler)
     package_logger.setLevel(level)
     package_logger.propagate = False
-    quieted = logging.getLogger("onnx_ir")
-    quieted_level = quieted.level
+    quieted = [logging.getLogger(name) for name in QUIETED]
+    quieted_levels = [q.level for q in quieted]
     if verbosity <= 0:
-        quieted.setLevel(logging.ERROR)
+        for q in quieted:
+            q.setLevel(logging.ERROR)
 
     def restore() -> None:
         repeats.summarize(handler)
         package_logger.removeHandler(handler)
         package_logger.level, package_logger.propagate = saved
-        quieted.setLevel(quieted_level)
+        for q, q_level in zip(quieted, quieted_levels):
+            q.setLevel(q_level)
 
     return restore
 
+
+#: Loggers whose warnings only -v shows (see configure_logging).
+QUIETED = ("onnx_ir", "torch.utils.cpp_extension")
 
 #: The longest line the command prints to stderr without -v.
 MAX_LINE = 2000
