@@ -115,6 +115,14 @@ def _training() -> ir.Model:
     return ir.from_proto(onnx.load_from_string(_TRAINING_CACHE[0]))
 
 
+def _without_training_record(model: ir.Model) -> ir.Model:
+    """A training graph whose training-graph record was removed (its nodes keep their tags)."""
+    from ortpass.conventions import TRAINING_KEY
+
+    del model.metadata_props[TRAINING_KEY]
+    return model
+
+
 def _graph(nodes, inputs=None, outputs=None, inits=(), *, opsets=(("", 17),), ir_version=8, value_info=()):
     """A small forward model from onnx.helper pieces: x[2,3] @ w[3,3] ... -> loss."""
     inputs = inputs if inputs is not None else [oh.make_tensor_value_info("x", FLOAT, [2, 3])]
@@ -689,8 +697,23 @@ CASES = [
     Case("cli-bad-pipeline", model_input(_forward), "ortpass optimize",
          cli("optimize", "{in}", "-o", "{dir}/out.onnx", "--pipeline", "recompute(bogus=1)"), CliFailed,
          r"exit 2: .*has no option 'bogus'"),
-    Case("cli-report-on-forward", model_input(_forward), "ortpass report", cli("report", "{in}"), CliFailed,
-         r"exit 2: .*model\.onnx is not a training graph"),
+    Case("cli-report-on-forward-with-no-build", model_input(_forward), "ortpass report",
+         cli("report", "{in}", "--no-build"), CliFailed, r"exit 2: .*model\.onnx is not a training graph"),
+    Case("cli-report-on-untagged-training-graph", model_input(lambda: _without_training_record(_training())),
+         "ortpass report", cli("report", "{in}"), CliFailed,
+         r"exit 2: .*has nodes the gradient build tagged .* but no training-graph record"),
+    Case("cli-post-grad-passes-on-forward", model_input(_forward), "ortpass optimize",
+         cli("optimize", "{in}", "-o", "{dir}/out.onnx", "--pipeline", "fix-dropout-seed(level=1),recompute(level=1)"),
+         CliFailed, r"exit 2: .*is a forward model, not a training graph.*add build-training-graph"),
+    Case("cli-pre-grad-pass-on-training-graph", model_input(_training), "ortpass optimize",
+         cli("optimize", "{in}", "-o", "{dir}/out.onnx", "--pipeline", "insert-gather-before-sce-loss"),
+         CliFailed, r"exit 2: .*is a training graph already.*'insert-gather-before-sce-loss' runs on the forward model"),
+    Case("cli-default-pipeline-on-training-graph", model_input(_training), "ortpass optimize",
+         cli("optimize", "{in}", "-o", "{dir}/out.onnx"),
+         CliFailed, r"exit 2: .*is a training graph already.*the pipeline builds one \('build-training-graph'\)"),
+    Case("cli-recompute-without-seeds-on-training-graph", model_input(_training), "ortpass optimize",
+         cli("optimize", "{in}", "-o", "{dir}/out.onnx", "--pipeline", "recompute(level=1)"),
+         CliFailed, r"exit 2: .*requires 'dropout-seeds-fixed'.*add 'fix-dropout-seed' to the pipeline"),
     # Files the command must not write over (issue: data loss).
     Case("cli-dump-dir-over-input", named_model_input("01_build-training-graph.onnx", _forward), "ortpass optimize",
          cli("optimize", "{in}", "-o", "{dir}/out.onnx", "--dump-dir", "{dir}", "--pipeline", "build-training-graph"),

@@ -176,20 +176,31 @@ def test_quiet_hides_progress(model_file, tmp_path, capsys):
 
 
 def test_list_passes_shows_declarations_and_source(capsys):
-    assert main(["list-passes"]) == 0
+    assert main(["list-passes", "--wide"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["name", "phase", "requires", "provides", "source"]
+    assert lines[0].split() == ["name", "phase", "requires", "provides", "options", "rule", "source"]
     row = next(line for line in lines if line.startswith("cli-needs-shapes"))
-    assert row.split() == ["cli-needs-shapes", "pre-grad", "shapes", "-", "test_cli.CliNeedsShapesPass"]
+    assert row.split() == ["cli-needs-shapes", "pre-grad", "shapes", "-", "-", "-", "test_cli.CliNeedsShapesPass"]
 
 
-def test_report_on_a_forward_graph_prints_a_summary_and_explains_why_no_analysis(model_file, tmp_path, capsys):
+def test_report_on_a_forward_graph_with_no_build_prints_a_summary_and_explains_why_no_analysis(model_file, tmp_path, capsys):
+    before = model_file.read_bytes()
+    json_path = tmp_path / "r.json"
+    assert main(["report", str(model_file), "--json", str(json_path), "--no-build"]) == 2
+    captured = capsys.readouterr()
+    assert "nodes: 1 (Relu 1)" in captured.out and "x  FLOAT[2,3]" in captured.out
+    assert "not a training graph" in captured.err and "ortpass optimize" in captured.err
+    assert model_file.read_bytes() == before and not json_path.exists()
+
+
+def test_report_on_a_forward_graph_it_cannot_build_from_is_bad_input(model_file, tmp_path, capsys):
+    """Without --no-build the report builds the training graph; a model without a loss has
+    none, which is the input's fault (exit 2), named, and nothing is written."""
     before = model_file.read_bytes()
     json_path = tmp_path / "r.json"
     assert main(["report", str(model_file), "--json", str(json_path)]) == 2
-    captured = capsys.readouterr()
-    assert "nodes: 1 (Relu 1)" in captured.out and "x  FLOAT[2,3]" in captured.out
-    assert "not a training graph" in captured.err
+    err = capsys.readouterr().err
+    assert "is a forward model" in err and "Traceback" not in err
     assert model_file.read_bytes() == before and not json_path.exists()
 
 

@@ -12,19 +12,23 @@ file is written atomically by :mod:`ortpass.io`, only once the run has succeeded
 failing run writes only the report asked for; ``--dump-dir`` files are written as the
 passes run).
 
-The report table goes to stdout; progress and diagnostics go through ``logging`` to stderr,
-one bounded line each (``-v`` for more, ``-q`` for less).
+Tables go to stdout, fitted to the terminal's width (100 columns when stdout is not a
+terminal; ``--wide`` prints them whole); progress and diagnostics go through ``logging``
+to stderr, one bounded line each (``-v`` for more, ``-q`` for less, before or after the
+command's name: they count together).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-from typing import NoReturn, Sequence
+from typing import Any, NoReturn, Sequence
 
-from ortpass.cli.commands import run_golden, run_list_passes, run_optimize, run_report
+from ortpass.cli.commands import run_golden, run_optimize
 from ortpass.cli.errors import UsageError
+from ortpass.cli.listing import run_list_passes
 from ortpass.cli.log_output import configure_logging
+from ortpass.cli.report import run_report
 from ortpass.errors import (
     OrtpassError,
     PassFailedError,
@@ -44,7 +48,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse has printed the usage message (2) or --help (0)
         return int(exc.code or 0)
-    restore = configure_logging(args.verbose - args.quiet)
+    # -v and -q count wherever they are given, before the command or after it.
+    restore = configure_logging(args.verbose + args.verbose_after - args.quiet - args.quiet_after)
     try:
         return args.run(args)
     except PassFailedError as exc:
@@ -76,25 +81,45 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def _verbosity(suffix: str = "") -> argparse.ArgumentParser:
+    """-v/-q, for the main parser and (counted apart: a subparser's defaults would
+    overwrite the main parser's counts) for every command."""
+    options = argparse.ArgumentParser(add_help=False)
+    options.add_argument("-v", "--verbose", action="count", default=0, dest="verbose" + suffix, help="more diagnostics (repeatable)")
+    options.add_argument("-q", "--quiet", action="count", default=0, dest="quiet" + suffix, help="fewer diagnostics (repeatable)")
+    return options
+
+
+def _add_wide(command: argparse.ArgumentParser) -> None:
+    command.add_argument(
+        "--wide", action="store_true",
+        help="print tables whole, one line a row (default: fitted to the terminal's width, 100 columns when not a terminal)",
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="ortpass", description="Training-graph optimization passes for ONNX Runtime.")
-    parser.add_argument("-v", "--verbose", action="count", default=0, help="more diagnostics (repeatable)")
-    parser.add_argument("-q", "--quiet", action="count", default=0, help="fewer diagnostics (repeatable)")
+    parser = _Parser(prog="ortpass", description="Training-graph optimization passes for ONNX Runtime.", parents=[_verbosity()])
+    after = _verbosity("_after")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    optimize = commands.add_parser("optimize", help="run a pass pipeline on a model and print its report")
+    def command(name: str, **kwargs: Any) -> argparse.ArgumentParser:
+        return commands.add_parser(name, parents=[after], **kwargs)
+
+    optimize = command("optimize", help="run a pass pipeline on a model and print its report")
     optimize.add_argument("input", metavar="IN.onnx")
     optimize.add_argument("-o", "--output", metavar="OUT.onnx", help="where to write the result (replaced if it exists, unless it is IN)")
     optimize.add_argument("--pipeline", default=DEFAULT_PIPELINE, metavar="SPEC", help=f"passes to run, e.g. \"a,b(opt=1)\" (default: {DEFAULT_PIPELINE})")
     optimize.add_argument("--dump-dir", metavar="DIR", help="write the model after each pass that changed it, as NN_<pass>.onnx")
     optimize.add_argument("--report", metavar="R.json", help="also save the report as JSON (also when a pass fails)")
     optimize.add_argument("--in-place", action="store_true", help="allow the output to replace IN (the default output then)")
+    _add_wide(optimize)
     optimize.set_defaults(run=run_optimize)
 
-    listing = commands.add_parser("list-passes", help="list the passes a pipeline can name")
+    listing = command("list-passes", help="list the passes a pipeline can name: phase, rule, options")
+    _add_wide(listing)
     listing.set_defaults(run=run_list_passes)
 
-    report = commands.add_parser("report", help="analyse a model (read only): summary and recompute candidates")
+    report = command("report", help="analyse a model (read only): summary, recompute applied, recompute plans left")
     report.add_argument("input", metavar="IN.onnx")
     report.add_argument("--json", metavar="R.json", help="save the summary and the analysis as JSON")
     report.add_argument("--plot", metavar="P.png", help="plot the recompute candidates (the format follows the suffix; none: PNG)")
@@ -111,9 +136,14 @@ def _parser() -> argparse.ArgumentParser:
         help="size of a symbolic dim to evaluate sizes at (repeatable; overrides the dims recorded at export)",
     )
     report.add_argument("--layer-boundary", action="store_true", help="group candidates by layer boundary")
+    report.add_argument(
+        "--no-build", action="store_true",
+        help="refuse a forward model (exit 2) instead of analysing the training graph built from it in memory",
+    )
+    _add_wide(report)
     report.set_defaults(run=run_report)
 
-    golden = commands.add_parser(
+    golden = command(
         "golden", help="check golden models against their recorded expectations, or update them (runs the case files' code)"
     )
     golden.add_argument("action", choices=("check", "update"), help="check: re-run and diff; update: rewrite the expectations")
