@@ -22,6 +22,7 @@ from ortpass.infra.validate import check_for_gradient_build
 from ortpass.training.build import build_training_graph
 from ortpass.training.forward_checks import (
     check_forward_model,
+    check_recorded_params,
     resolve_differentiated_inputs,
     resolve_loss_or_outputs,
     resolve_params,
@@ -61,6 +62,8 @@ class BuildTrainingGraphPass(OrtFunctionalPass):
             return  # requires() refuses it, naming why
         proto = ir.to_proto(model)
         check_for_gradient_build(model, self.params, proto=proto)
+        if self.params is None:
+            check_recorded_params(model)
         export_info = get_export_info(model)
         loss, _ = resolve_loss_or_outputs(proto, export_info, self.loss, self.outputs_with_grad)
         params = resolve_params(proto, self.params if self.params is not None else export_info.get("params"))

@@ -41,6 +41,7 @@ from ortpass.infra.metadata import get_export_info
 from ortpass.infra.validate import check_for_gradient_build
 from ortpass.training.forward_checks import (
     check_forward_model,
+    check_recorded_params,
     check_static_dims,
     resolve_differentiated_inputs,
     resolve_loss_or_outputs,
@@ -114,6 +115,8 @@ def build_training_graph(
     # The declared shapes are checked on the pipeline's input (the pass's check_input);
     # here only what ORT would report as its own internals, or get wrong.
     check_for_gradient_build(model, params, shapes=False)
+    if params is None:
+        check_recorded_params(model)
     export_info = get_export_info(model)
     proto = ir.to_proto(model)
     loss, outputs_with_grad = resolve_loss_or_outputs(proto, export_info, loss, outputs_with_grad)

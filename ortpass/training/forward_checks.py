@@ -3,6 +3,7 @@ that exist, and a graph ORT can order; each refusal names the value or node at f
 
 from __future__ import annotations
 
+import ast
 import re
 from typing import Iterable
 
@@ -13,9 +14,16 @@ import onnx_ir as ir
 from ortpass.conventions import (
     MS_DOMAIN,
 )
-from ortpass.errors import StaticDimsRequired, TrainingGraphError
+from ortpass.errors import StaticDimsRequired, TrainingGraphError, elide
+from ortpass.infra.metadata import get_export_info
 
-__all__ = ["check_forward_model", "check_static_dims"]
+__all__ = ["check_forward_model", "check_recorded_params", "check_static_dims"]
+
+#: Where onnxscript's constant folder records what a new constant was folded from
+#: (``onnxscript.optimizer.FOLDED_FROM_KEY``; on the value, in memory only).
+ONNXSCRIPT_FOLDED_FROM_KEY = "pkg.onnxscript.optimizer.folded_from"
+#: How many names an error lists before it counts the rest.
+_NAMES_SHOWN = 5
 
 
 def check_forward_model(proto: onnx.ModelProto, loss: str | None) -> None:
@@ -178,6 +186,54 @@ def resolve_differentiated_inputs(proto: onnx.ModelProto, inputs: Iterable[str],
         if declared[name] not in float_proto_types():
             raise TrainingGraphError(f"input {name!r} is not floating point: it has no gradient")
     return inputs
+
+
+def check_recorded_params(model: ir.Model) -> None:
+    """Refuse a model that lost parameters recorded at export, or in which onnxscript's
+    constant folder made a constant of one (a weight tied to another use trains through
+    that use no more), naming them, where they went when the folder says, and the way out.
+
+    ``onnxscript.optimizer.optimize`` run on the exported model does both (see
+    :mod:`ortpass.passes.onnxscript_optimize`, which runs it with the parameters kept).
+    The folder's record lives on the values in memory: a model saved and loaded again
+    shows only the parameters that are gone.
+    """
+    recorded = get_export_info(model).get("params") or []
+    present = {*model.graph.initializers, *(value.name for value in model.graph.inputs)}
+    folded = _folded_into(model, recorded)
+    lost = [name for name in recorded if name not in present or name in folded]
+    if not lost:
+        return
+    first = lost[0]
+    fate = f"was folded into the constant {folded[first]!r}" if first in folded else "is gone from the model"
+    shown = ", ".join(repr(name) for name in lost[1 : 1 + _NAMES_SHOWN])
+    more = f"{shown} and {len(lost) - 1 - _NAMES_SHOWN} more" if len(lost) > 1 + _NAMES_SHOWN else shown
+    others = f"; so were {len(lost) - 1} more ({more})" if len(lost) > 1 else ""
+    raise TrainingGraphError(
+        f"parameter {first!r}, recorded as trainable at export, {fate}{others}: something between export and "
+        "the gradient build folded, merged or removed it, as onnxscript.optimizer.optimize does with weights. "
+        "Run onnxscript's optimizer as ortpass's pre-grad pass instead, which keeps the parameters "
+        "(ortpass.pipeline('onnxscript-optimize,build-training-graph,...') on the exported model), or pass "
+        "params=[...] naming the parameters to train"
+    )
+
+
+def _folded_into(model: ir.Model, lost: list[str]) -> dict[str, str]:
+    """Lost parameter -> the constant onnxscript's constant folder made of it."""
+    found: dict[str, str] = {}
+    for value in model.graph.initializers.values():
+        for source in _names_in(value.metadata_props.get(ONNXSCRIPT_FOLDED_FROM_KEY, "")):
+            found.setdefault(source, elide(value.name or "", 80))
+    return {name: found[name] for name in lost if name in found}
+
+
+def _names_in(record: str) -> list[str]:
+    # The folder writes repr(sorted(names)), a Python list of str; anything else says nothing.
+    try:
+        names = ast.literal_eval(record) if record else []
+    except (ValueError, SyntaxError):
+        return []
+    return [name for name in names if isinstance(name, str)] if isinstance(names, list) else []
 
 
 def resolve_params(proto: onnx.ModelProto, params: Iterable[str] | None) -> list[str]:
