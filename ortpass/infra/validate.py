@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import onnx
 import onnx_ir as ir
@@ -35,6 +35,7 @@ __all__ = [
     "check_declared_shapes",
     "check_for_gradient_build",
     "check_model",
+    "params_of",
     "refuse_pythonop_missing_attributes",
 ]
 
@@ -145,14 +146,16 @@ def check_for_gradient_build(
             f"the model defines {len(model.functions)} local function(s) ({names}), which ORT's gradient "
             "builder cannot differentiate; inline them first (onnx.inliner.inline_local_functions)"
         )
-    _refuse_subgraphs_reading(graph, set(_params_of(model, params)))
+    _refuse_subgraphs_reading(graph, set(params_of(model, params)))
     if shapes:
         check_declared_shapes(proto if proto is not None else ir.to_proto(model))
 
 
-def _params_of(model: ir.Model, params: Sequence[str] | None) -> Iterable[str]:
+def params_of(model: ir.Model, params: Sequence[str] | None = None) -> list[str]:
+    """The parameters the gradient build differentiates: ``params`` when given, else those
+    recorded at export, else every floating-point initializer that is not a scalar."""
     if params is not None:
-        return params
+        return list(params)
     recorded = get_export_info(model).get("params")
     if recorded is not None:
         return recorded

@@ -6,13 +6,14 @@ from ortpass.passes.accumulate_gradients_early import AccumulateGradientsEarlyPa
 from ortpass.passes.build_training_graph import BuildTrainingGraphPass
 from ortpass.passes.fix_dropout_seed import FixDropoutSeedPass
 from ortpass.passes.insert_gather_before_sce_loss import InsertGatherBeforeSceLossPass
+from ortpass.passes.onnxscript_optimize import OnnxscriptOptimizePass
 from ortpass.passes.order_backward_joins import OrderBackwardJoinsPass
 from ortpass.passes.pythonop_shape_inference import PythonOpShapeInferencePass
 from ortpass.passes.recompute import RecomputePass
 from ortpass.passes.recompute_gate_activation import RecomputeGateActivationPass
 from ortpass.passes.replay_dropout_mask import ReplayDropoutMaskPass
 
-__all__ = ["CREATED_BY_KEY", "DEFAULT_PIPELINE", "AccumulateGradientsEarlyPass", "BuildTrainingGraphPass", "FixDropoutSeedPass", "InsertGatherBeforeSceLossPass", "OrderBackwardJoinsPass", "OrtFunctionalPass", "OrtPass", "PythonOpShapeInferencePass", "RecomputeGateActivationPass", "RecomputePass", "ReplayDropoutMaskPass"]
+__all__ = ["CREATED_BY_KEY", "DEFAULT_PIPELINE", "AccumulateGradientsEarlyPass", "BuildTrainingGraphPass", "FixDropoutSeedPass", "InsertGatherBeforeSceLossPass", "OnnxscriptOptimizePass", "OrderBackwardJoinsPass", "OrtFunctionalPass", "OrtPass", "PythonOpShapeInferencePass", "RecomputeGateActivationPass", "RecomputePass", "ReplayDropoutMaskPass"]
 
 #: What ``ortpass optimize``, ``ortpass.ORTModule`` and the golden suite run without ``--pipeline``: every built-in pass (the manager
 #: orders them from their declarations), recompute at ORTModule's layer-wise level 1 with

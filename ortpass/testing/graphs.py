@@ -173,6 +173,10 @@ class _Builder:
             # A seed per node: sessions over graphs built from one recipe draw alike.
             seed = {"seed": self.count} if step.seeded else {}
             self.node("Dropout", [src.name, ratio, training], src.shape, outputs=2, **seed)
+        elif kind == "LayerNormalization" and src.shape[-1] == 1:
+            # ORT 1.19.2's LayerNormalizationGrad refuses to normalize one element ("M != 1
+            # was false", at run time): a graph no pass could make trainable.
+            self.node("Tanh", [src.name], src.shape)
         elif kind == "LayerNormalization":
             width = src.shape[-1]
             scale = self.param("ln_scale", [width], around=1.0)
