@@ -15,6 +15,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "golden_models" / "bert_mlm.onnx"
 
@@ -44,6 +46,7 @@ def _fresh(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=environment, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_flag_kept_by_a_pipeline_without_the_gather_runs_in_a_fresh_process(tmp_path):
     out = tmp_path / "no_gather.onnx"
     optimize = _fresh("-m", "ortpass", "optimize", str(GOLDEN), "-o", str(out),
@@ -54,6 +57,7 @@ def test_flag_kept_by_a_pipeline_without_the_gather_runs_in_a_fresh_process(tmp_
     assert "step ok" in step.stdout
 
 
+@pytest.mark.slow
 def test_flag_kept_for_printing_prints_each_steps_density_in_a_fresh_process(tmp_path):
     out = tmp_path / "printing.onnx"
     env = {"ORTPASS_PRINT_INPUT_DENSITY": "1"}

@@ -271,6 +271,7 @@ def test_a_bad_fused_attention_value_is_refused_by_name(gpt2, value):
         export(_Loss(gpt2), (torch.zeros(1, 4, dtype=torch.long),) * 3, fused_attention=value)
 
 
+@pytest.mark.slow
 def test_a_fresh_process_runs_fused_attention_without_registering_anything(tmp_path, gpt2):
     """ortpass's own Functions are known to the bridge and the analysis by func_name, so
     `ortpass optimize` and a session in a new process need no user registration."""

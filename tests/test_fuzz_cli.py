@@ -108,6 +108,7 @@ def _optimize(model: Path, directory: Path):
     return ["optimize", str(model), "-o", str(directory / "out.onnx"), "--pipeline", "insert-gather-before-sce-loss"], "out.onnx"
 
 
+@pytest.mark.slow
 def test_mutated_golden_models_exit_0_or_2_and_leave_everything_alone(tmp_path: Path, training_bytes: bytes):
     rng = np.random.default_rng(SEED)
     sources = {p.stem: p.read_bytes() for p in GOLDEN}

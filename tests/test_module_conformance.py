@@ -418,6 +418,7 @@ class ResNet18(nn.Module):
         return self.fc(F.adaptive_avg_pool2d(self.blocks(self.stem(x)), 1).flatten(1))
 
 
+@pytest.mark.slow
 def test_resnet18_trains_like_torch():
     torch.manual_seed(0)
     # SGD: gradients agree to 5e-6, but AdamW normalizes each element by its own gradient,

@@ -20,6 +20,9 @@ import torch.nn.functional as F
 from ortpass.runtime.module import ORTModule
 from ortpass.testing.models import GPTDecoder
 
+# Two gloo processes per case: end-to-end.
+pytestmark = pytest.mark.slow
+
 WORLD, STEPS = 2, 3
 
 

@@ -18,6 +18,9 @@ transformers = pytest.importorskip("transformers")
 from test_module_conformance import train_side_by_side  # noqa: E402
 from test_real_models import FAMILIES, VOCAB  # noqa: E402
 
+# ORTModule trains 17 Hugging Face families beside torch: end-to-end, the larger part of the suite's time.
+pytestmark = pytest.mark.slow
+
 SHAPES = [(2, 16), (3, 11), (4, 16)]  # (batch, sequence): a new batch size, then a new length
 
 

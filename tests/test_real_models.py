@@ -41,6 +41,9 @@ from ortpass.passes import DEFAULT_PIPELINE  # noqa: E402
 from ortpass.runtime import TrainingSession  # noqa: E402
 from ortpass.runtime.parity import check_parity  # noqa: E402
 
+# Hugging Face families exported and run through the default pipeline and the CLI: end-to-end.
+pytestmark = pytest.mark.slow
+
 VOCAB, HIDDEN, LAYERS, HEADS, FFN, POSITIONS = 1000, 64, 2, 4, 128, 64
 BATCH, SEQ = 2, 32
 NAMES = ["input_ids", "labels"]

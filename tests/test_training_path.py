@@ -311,6 +311,7 @@ def test_a_forward_with_a_dim_onnx_cannot_tell_keeps_the_symbolic_inference():
     assert shapes._infer_static_shapes(unknown_op) is None
 
 
+@pytest.mark.slow
 def test_the_training_graph_is_the_same_whatever_python_hashes(tmp_path):
     """ORT's gradient builder emits gradients in the order of a set of names, which follows
     Python's string hashing (PYTHONHASHSEED): the build must not pass that on."""
