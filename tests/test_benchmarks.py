@@ -138,3 +138,16 @@ def test_hf_memory_measures_every_configuration_on_a_tiny_gpt2(monkeypatch):
     # GPT-2's attention dropout (0.1) keeps ORTModule's "auto" default on the plain row.
     assert results["families"]["gpt2"]["prepare"]["auto_fuses"] is False
     assert "gpt2: ORTModule's default (fused_attention='auto') is the row \"ortpass default pipeline\"." in table
+
+
+@pytest.mark.slow
+def test_onnxscript_optimize_times_both_graphs_of_the_small_decoder():
+    bench = _load("onnxscript_optimize")
+    result = bench.run_one("small", steps=1)
+    without, with_ = result["without"], result["with"]
+    assert with_["optimized_nodes"] < without["export_nodes"] == with_["export_nodes"]
+    assert 0 < with_["constants_lifted"] <= without["export_nodes"] - with_["optimized_nodes"]
+    assert with_["training_nodes_without_ort_fusions"] < without["training_nodes_without_ort_fusions"]
+    assert without["step_ms_median"] > 0 and with_["step_ms_median"] > 0
+    table = bench.to_markdown([result], steps=1).splitlines()
+    assert sum(line.startswith("| small (32 hidden, 2 layers) |") for line in table) == 1
