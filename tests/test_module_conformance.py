@@ -481,3 +481,31 @@ def test_fallback_runs_torch_with_one_warning_naming_the_cause():
         wrapped(x).sum().backward()
     assert model.fc.weight.grad is not None
     assert [action for action, _ in wrapped.transitions.transitions] == ["fallback"]
+
+
+def test_batchnorm_statistics_update_under_no_grad_in_training_mode_as_in_torch():
+    """torch updates a training BatchNorm's statistics under no_grad too (a forward-only
+    pass over data in train mode): the wrapper runs its training graph for that."""
+    torch.manual_seed(0)
+    model = SmallCNN()
+    reference = copy.deepcopy(model)
+    wrapped = ORTModule(model)
+    with torch.no_grad():
+        for x, _ in _images(2, sizes=(4, 3)):
+            torch.testing.assert_close(wrapped(x), reference(x), rtol=1e-4, atol=1e-5)
+    _assert_same_state(model, reference, 1e-5)
+    assert int(model.norm.num_batches_tracked) == 2
+
+
+def test_a_split_graph_comes_back_from_the_cache(tmp_path):
+    torch.manual_seed(0)
+    model = MLP()
+    x, y = next(_mlp_batches(1))
+    first = ORTModule(copy.deepcopy(model), cache_dir=tmp_path)
+    F.cross_entropy(first(x), y).backward()
+    second = ORTModule(model, cache_dir=tmp_path)
+    F.cross_entropy(second(x), y).backward()
+    assert [action for action, _ in second.transitions.transitions] == ["load"]
+    assert second.transitions.current_graph.kind == "split"
+    for p, q in zip(second.parameters(), first.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
