@@ -258,7 +258,7 @@ def test_frozen_parameters_and_eval_submodules_follow_torch():
     model.drop.eval()  # inside a training model: off, as in torch
     wrapped = train_side_by_side(model, cross_entropy_outside, _mlp_batches(4))
     assert model.training and not model.drop.training  # every flag as the user left it
-    assert model.fc1.weight.grad is None
+    assert model.fc1.weight.grad is None and "fc1.weight" not in wrapped.transitions.current_graph.params
 
 
 def test_batch_and_sequence_length_change_every_step():

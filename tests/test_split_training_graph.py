@@ -5,7 +5,6 @@ each rule, and parity with torch and with the one-graph step."""
 from __future__ import annotations
 
 import numpy as np
-import onnx_ir as ir
 import pytest
 import torch
 from torch import nn

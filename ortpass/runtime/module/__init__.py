@@ -70,9 +70,6 @@ _REFUSED_WRAPPERS = {
 }
 
 
-# -- graphs and sessions ----------------------------------------------------------------------
-
-
 # -- the wrapper ------------------------------------------------------------------------------
 
 
@@ -156,6 +153,7 @@ class ORTModule(GraphBuilding, torch.nn.Module):
         self.transitions = GraphTransitionManager()
         self._noticed_checkpointing = False
         self._in_torch: dict[InputSchema, str] = {}  # schemas that fell back, and why
+        self._said: set[str] = set()  # fallback causes already warned about
         self._static: dict[InputSchema, set[tuple[int, int]]] = {}  # dims ORT needs static, learned
 
     # -- copies: the module travels, the sessions do not ---------------------------------------
@@ -163,7 +161,7 @@ class ORTModule(GraphBuilding, torch.nn.Module):
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         state["transitions"] = GraphTransitionManager()
-        state["_in_torch"], state["_static"] = {}, {}
+        state["_in_torch"], state["_static"], state["_said"] = {}, {}, set()
         return state
 
     # -- calls --------------------------------------------------------------------------------
@@ -194,11 +192,12 @@ class ORTModule(GraphBuilding, torch.nn.Module):
         feeds = {name: to_ortvalue(t) for name, t in zip(graph.tensor_inputs, tensors) if name is not None}
         state = dict(self.module.named_parameters(remove_duplicate=False))  # a tied weight by either name
         state.update(self.module.named_buffers(remove_duplicate=False))
+        written = graph.written_by_ort
         for graph_name, state_name in graph.state_inputs:
             tensor = state[state_name]
             # ORT's BatchNormInternal writes its running-statistics outputs over those
             # inputs (an alias); torch's buffers are updated by BatchNormUpdate instead.
-            feeds[graph_name] = to_ortvalue(tensor.clone() if state_name in graph.written_by_ort else tensor)
+            feeds[graph_name] = to_ortvalue(tensor.clone() if state_name in written else tensor)
         if graph.kind == "forward":
             with torch.no_grad():
                 outputs = [to_torch(v) for v in graph.session.run_with_ort_values(feeds, graph.outputs)]
@@ -228,11 +227,10 @@ class ORTModule(GraphBuilding, torch.nn.Module):
     def _fall_back(self, schema: InputSchema | None, exc: OrtpassError) -> None:
         cause = f"{type(exc).__name__}: {exc}"
         if schema is not None:
-            self._in_torch[schema] = cause
-        elif cause in self._in_torch.values():
-            return  # said once already
-        else:
-            self._in_torch[cause] = cause  # type: ignore[index]  # no schema: said once per cause
+            self._in_torch[schema] = cause  # later calls of this schema go to torch directly
+        if cause in self._said:
+            return
+        self._said.add(cause)
         self.transitions.record("fallback", cause)
         message = f"ORTModule runs {type(self.module).__name__} in torch for these inputs (fallback='torch'): {cause}"
         logger.warning(message)
@@ -251,6 +249,7 @@ class ORTModule(GraphBuilding, torch.nn.Module):
         )
         logger.warning(message)
         warnings.warn(message, stacklevel=4)
+
 
 def _refuse_wrappers(module: torch.nn.Module) -> None:
     for cls in type(module).__mro__:

@@ -11,6 +11,7 @@ are fed every step) and open the session the step kind needs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import re
 from typing import Any, Literal
@@ -53,7 +54,7 @@ class BuiltGraph:
     output_spec: Any  # a TreeSpec
     output_leaves: list[tuple[str, str]]
 
-    @property
+    @functools.cached_property
     def written_by_ort(self) -> set[str]:
         """The buffers ORT writes over while it runs (BatchNorm's running statistics, which
         ``BatchNormInternal`` outputs in place of its inputs): fed as copies."""
