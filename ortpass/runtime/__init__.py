@@ -1,5 +1,11 @@
 """Running training graphs on ONNX Runtime (CPU here, CUDA where it exists)."""
 
+from ortpass.runtime.backend import (
+    check_single_runtime,
+    has_training_ops,
+    installed_runtimes,
+    require_training_build,
+)
 from ortpass.runtime.session import (
     StepResult,
     TrainingSession,
@@ -8,4 +14,14 @@ from ortpass.runtime.session import (
 )
 from ortpass.runtime.split_session import SplitTrainingSession
 
-__all__ = ["SplitTrainingSession", "StepResult", "TrainingSession", "dropout_mask_names", "with_dropout_masks"]
+__all__ = [
+    "SplitTrainingSession",
+    "StepResult",
+    "TrainingSession",
+    "check_single_runtime",
+    "dropout_mask_names",
+    "has_training_ops",
+    "installed_runtimes",
+    "require_training_build",
+    "with_dropout_masks",
+]

@@ -39,6 +39,7 @@ from ortpass.errors import TrainingGraphError
 from ortpass.graph.schemas import register_ort_schemas
 from ortpass.infra.metadata import get_export_info
 from ortpass.infra.validate import check_for_gradient_build
+from ortpass.training.backend import require_training_build
 from ortpass.training.forward_checks import (
     check_forward_model,
     check_recorded_params,
@@ -64,8 +65,6 @@ from ortpass.training.shapes import (
 __all__ = ["build_training_graph", "clamp_for_ort"]
 
 logger = logging.getLogger(__name__)
-
-# What ORT 1.19.2 loads (measured; docs/design/ort-facts.md).
 
 # onnx's shape inference then gives SimplifiedLayerNormalization's InvStdDev a shape.
 register_ort_schemas()
@@ -158,7 +157,6 @@ def build_training_graph(
     input_gradients = check_gradient_outputs(training_proto, inputs_with_grad)
     check_gradient_shapes(training_proto, gradients)
     _order_outputs(training_proto, [*([loss] if loss else outputs_with_grad), *gradients.values(), *input_gradients.values()])
-
     training = ir.from_proto(training_proto)
     _tag_sides(training, forward_names)
     training.metadata_props.update(model.metadata_props)
@@ -276,6 +274,7 @@ def _make_params_inputs(proto: onnx.ModelProto, params: Sequence[str], different
 
 
 def _run_pre_gradient_transformers(proto: onnx.ModelProto, params: Sequence[str]) -> onnx.ModelProto:
+    require_training_build("ortpass.training.build_training_graph (ORT's pre-gradient transformers, ort_fusions=True)")
     from onnxruntime.capi import _pybind_state as C
 
     options = C.SessionOptions()
@@ -298,6 +297,7 @@ def _run_gradient_builder(
 ) -> onnx.ModelProto:
     """ORT's builder differentiates ``loss`` (seeded with ones) or, without one, ``outputs``
     (their gradients left as names the graph does not define, ``<output>_grad``)."""
+    require_training_build("ortpass.training.build_training_graph (ORT's gradient builder)")
     from onnxruntime.capi import _pybind_state as C
 
     options = C.SessionOptions()
