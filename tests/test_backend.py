@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from ortpass import io
+from ortpass.cli import main
 from ortpass.errors import OrtpassError
 from ortpass.training import backend, build_training_graph
 
@@ -109,3 +110,39 @@ def test_the_training_build_passes(monkeypatch):
 def test_the_gradient_build_refuses_stock_onnxruntime(stock, ort_fusions):
     with pytest.raises(OrtpassError, match=r"^ortpass.training.build_training_graph \(ORT's .* is the stock package"):
         build_training_graph(io.load(MLP), ort_fusions=ort_fusions)
+
+
+@pytest.mark.stock
+@pytest.mark.parametrize("command", [["optimize", str(MLP), "-o", "OUT"], ["report", str(MLP)]])
+def test_the_command_refuses_a_forward_model_on_stock_onnxruntime(stock, command, tmp_path, capsys):
+    out = tmp_path / "out.onnx"
+    assert main([str(out) if arg == "OUT" else arg for arg in command]) == 2
+    err = capsys.readouterr().err
+    assert f"OrtpassError: ortpass {command[0]} on a forward model" in err
+    assert "is the stock package; on stock onnxruntime build the training graph from torch" in err
+    assert "Traceback" not in err and "[1/" not in err  # refused before any pass ran
+    assert not out.exists()
+
+
+@pytest.mark.stock
+def test_the_command_refuses_two_runtimes(monkeypatch, capsys):
+    fake_installed(monkeypatch, onnxruntime="1.31.1", onnxruntime_training_cpu="1.19.2")
+    assert main(["list-passes"]) == 2
+    assert "are installed together" in capsys.readouterr().err
+
+
+@pytest.mark.stock
+def test_version_names_the_runtime(monkeypatch, capsys):
+    fake_installed(monkeypatch, onnxruntime="1.31.1")
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip().endswith("(onnxruntime 1.31.1)")
+
+
+def test_post_grad_passes_on_a_saved_training_graph_need_no_training_build(tmp_path, monkeypatch):
+    train = tmp_path / "train.onnx"
+    assert main(["-q", "optimize", str(MLP), "-o", str(train), "--pipeline", "build-training-graph"]) == 0
+    monkeypatch.setattr(backend, "has_training_ops", lambda: False)
+    out = tmp_path / "out.onnx"
+    pipeline = "accumulate-gradients-early,fix-dropout-seed(level=1),recompute(level=1),order-backward-joins"
+    assert main(["-q", "optimize", str(train), "-o", str(out), "--pipeline", pipeline]) == 0
+    assert out.exists()

@@ -4,8 +4,9 @@ model, check golden models.
 Exit codes: 0 success; 2 bad usage or bad input (an argument, a file that is not a model,
 a malformed model, a bad pipeline or pass option, a set of passes that cannot be ordered,
 an output that would overwrite an input or another output, a model naming a Function
-nobody registered); 1 a pass failed (the message names the pass and the reason; no model
-is written), or a golden model no longer matches its expectations.
+nobody registered) or a runtime that cannot do it (two ONNX Runtimes installed, a training
+graph to build on stock onnxruntime); 1 a pass failed (the message names the pass and the
+reason; no model is written), or a golden model no longer matches its expectations.
 
 Every output path is checked before any work starts (:func:`ortpass.cli.outputs.check_outputs`), and every
 file is written atomically by :mod:`ortpass.io`, only once the run has succeeded (a
@@ -24,6 +25,7 @@ import argparse
 import logging
 from typing import Any, NoReturn, Sequence
 
+from ortpass import __version__
 from ortpass.cli.commands import run_golden, run_optimize
 from ortpass.cli.errors import UsageError
 from ortpass.cli.listing import run_list_passes
@@ -36,6 +38,7 @@ from ortpass.errors import (
     elide,
 )
 from ortpass.passes import DEFAULT_PIPELINE
+from ortpass.training.backend import check_single_runtime, installed_runtimes
 
 __all__ = ["main"]
 
@@ -51,6 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # -v and -q count wherever they are given, before the command or after it.
     restore = configure_logging(args.verbose + args.verbose_after - args.quiet - args.quiet_after)
     try:
+        check_single_runtime()  # two runtimes unpacked over each other fail anywhere, obscurely
         return args.run(args)
     except PassFailedError as exc:
         if isinstance(exc.__cause__, UnregisteredFunctionError):
@@ -99,6 +103,8 @@ def _add_wide(command: argparse.ArgumentParser) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="ortpass", description="Training-graph optimization passes for ONNX Runtime.", parents=[_verbosity()])
+    runtimes = ", ".join(f"{name} {version}" for name, version in installed_runtimes().items()) or "no onnxruntime"
+    parser.add_argument("--version", action="version", version=f"ortpass {__version__} ({runtimes})")
     after = _verbosity("_after")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 

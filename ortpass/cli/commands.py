@@ -42,6 +42,7 @@ from ortpass.infra.instruments import ProgressInstrument
 from ortpass.infra.manager import PassManager
 from ortpass.infra.pipeline_text import passes_from_text
 from ortpass.infra.registry import available_passes, get_pass
+from ortpass.training.backend import require_training_build
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +109,8 @@ def assumed_properties(model: ir.Model, passes: Sequence[ir.passes.PassBase], na
                 "build-training-graph` saves one)"
             )
         _refuse_unprovided(passes, set())
+        if builders:  # before any pass runs: stock onnxruntime has no gradient builder
+            require_training_build(f"ortpass optimize on a forward model ({_names(builders)} builds its training graph)")
         return frozenset()
     get_training_info(model)  # a malformed record is refused here, named
     example = 'e.g. --pipeline "fix-dropout-seed(level=1),recompute(level=1)"'

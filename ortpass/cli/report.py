@@ -11,7 +11,8 @@ Rules:
   user has first; the pre-grad passes are included because they change what backward
   stashes (the label gather shrinks the vocabulary projection's activations), so the plans
   shown are those ``ortpass optimize`` would choose from.  ``--no-build`` keeps the old
-  refusal, for a script that must not analyse anything but the file it names.
+  refusal, for a script that must not analyse anything but the file it names.  The build
+  needs ORT's training build: on stock onnxruntime a forward model is refused (exit 2).
 * Recompute already applied is read back from the clones' tags
   (:func:`ortpass.analysis.recompute.find_applied_recompute`) and shown first; the plan
   table then lists what is left, without a Status column: nothing is enabled in a
@@ -49,6 +50,7 @@ from ortpass.infra.text_table import (
     wrap_line,
 )
 from ortpass.infra.validate import check_model
+from ortpass.training.backend import require_training_build
 
 __all__ = ["run_report", "training_graph_pipeline"]
 
@@ -130,6 +132,7 @@ def _training_graph(model: ir.Model, args: argparse.Namespace) -> tuple[ir.Model
             f"builds one in memory, or save one with `ortpass optimize {args.input} -o train.onnx "
             "--pipeline build-training-graph`"
         )
+    require_training_build("ortpass report on a forward model (it builds the training graph in memory)")
     spec = training_graph_pipeline()
     logger.warning(
         "%s is a forward model, not a training graph: analysing the training graph built from it in memory by "
