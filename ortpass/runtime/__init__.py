@@ -1,11 +1,5 @@
 """Running training graphs on ONNX Runtime (CPU here, CUDA where it exists)."""
 
-from ortpass.runtime.backend import (
-    check_single_runtime,
-    has_training_ops,
-    installed_runtimes,
-    require_training_build,
-)
 from ortpass.runtime.session import (
     StepResult,
     TrainingSession,
@@ -13,6 +7,12 @@ from ortpass.runtime.session import (
     with_dropout_masks,
 )
 from ortpass.runtime.split_session import SplitTrainingSession
+from ortpass.training.backend import (  # defined a stage earlier: the gradient build needs them too
+    check_single_runtime,
+    has_training_ops,
+    installed_runtimes,
+    require_training_build,
+)
 
 __all__ = [
     "SplitTrainingSession",

@@ -12,7 +12,7 @@ onnxruntime the training graph is built from torch instead.  :func:`require_trai
 refuses, saying so, where the ORT builder is needed and missing.
 
 It lives in the training stage, the first that needs it (the gradient build);
-``ortpass.runtime.backend`` re-exports it for the runtime and the command line.
+``ortpass.runtime`` re-exports its functions.
 """
 
 from __future__ import annotations
