@@ -378,8 +378,8 @@ def _resolve_providers(providers, available: Sequence[str]) -> list[str]:
     if providers == "cuda":
         if "CUDAExecutionProvider" not in available:
             raise OrtpassError(
-                "the CUDA execution provider is not available in this onnxruntime build "
-                f"(available: {list(available)}); install ortpass[cuda] on a machine with a GPU"
+                f"the CUDA execution provider is not available in this onnxruntime build (available: {list(available)}); "
+                "on a GPU machine install ortpass[training-cuda] (the training build) or ortpass[cuda] (stock), not both"
             )
         return ["CUDAExecutionProvider", "CPUExecutionProvider"]
     providers = list(providers)
