@@ -39,9 +39,9 @@ recorded parameters an optimizer took (:func:`ortpass.training.forward_checks.ch
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-from typing import Annotated, Sequence
+from collections.abc import Sequence
+from typing import Annotated
 
 import onnx_ir as ir
 
@@ -51,21 +51,12 @@ from ortpass.infra.base import OrtPass
 from ortpass.infra.options import AtLeast, NonNegativeInt
 from ortpass.infra.registry import register_pass
 from ortpass.infra.validate import params_of
-from ortpass.ops.dropout import is_dropout
+from ortpass.ops.optimizer import optimize_keeping_training_values
 from ortpass.training.forward_checks import check_recorded_params
 
 __all__ = ["OnnxscriptOptimizePass"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class _Hidden:
-    """A parameter made a graph input without a value for the optimizer's run."""
-
-    value: ir.Value
-    tensor: ir.TensorProtocol
-    was_input: bool
 
 
 @register_pass("onnxscript-optimize")
@@ -127,87 +118,20 @@ class OnnxscriptOptimizePass(OrtPass):
             )
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        import onnxscript.optimizer  # the optimizer and its rewriter load only when this pass runs
-
         graph = model.graph
         before, fingerprint = len(graph), _fingerprint(model)
-        order = list(graph.initializers)
-        hidden = _hide(graph, params_of(model, self.params))
-        seeded = _seed_dropouts(graph)
-        try:
-            onnxscript.optimizer.optimize_ir(
-                model, num_iterations=self.num_iterations, onnx_shape_inference=self.onnx_shape_inference,
-                input_size_limit=self.input_size_limit, output_size_limit=self.output_size_limit,
-            )  # fmt: skip
-        finally:
-            # The manager rolls a failed pass back; standing alone, the model keeps its parameters.
-            _unseed(seeded)
-            _restore(graph, hidden, order)
+        kept = optimize_keeping_training_values(
+            model, params_of(model, self.params), num_iterations=self.num_iterations,
+            onnx_shape_inference=self.onnx_shape_inference, input_size_limit=self.input_size_limit,
+            output_size_limit=self.output_size_limit,
+        )  # fmt: skip
         modified = _fingerprint(model) != fingerprint
         if modified:
             self.count("nodes removed", before - len(graph))
-            self.count("parameters kept", len(hidden))
-            self.count("dropouts kept apart", len(seeded))
-        logger.info("onnxscript's optimizer: %d -> %d nodes, %d parameters kept", before, len(graph), len(hidden))
+            self.count("parameters kept", kept.parameters)
+            self.count("dropouts kept apart", kept.dropouts)
+        logger.info("onnxscript's optimizer: %d -> %d nodes, %d parameters kept", before, len(graph), kept.parameters)
         return ir.passes.PassResult(model, modified=modified)
-
-
-def _hide(graph: ir.Graph, names: Sequence[str]) -> list[_Hidden]:
-    """Make each parameter a graph input without a value; a parameter without one (a graph
-    input already) needs nothing."""
-    inputs = set(graph.inputs)
-    hidden = []
-    for name in names:
-        value = graph.initializers.get(name)
-        if value is None or value.const_value is None:
-            continue
-        hidden.append(_Hidden(value, value.const_value, value in inputs))
-        graph.initializers.pop(name)
-        value.const_value = None
-        if value not in inputs:
-            graph.inputs.append(value)
-    return hidden
-
-
-def _restore(graph: ir.Graph, hidden: Sequence[_Hidden], order: Sequence[str]) -> None:
-    """Give the parameters their values back as initializers, in the order of before
-    (the gradient build's default parameters and their gradients follow it)."""
-    for item in hidden:
-        if not item.was_input:
-            if item.value not in graph.inputs:
-                raise TrainingGraphError(f"onnxscript's optimizer removed the graph input {item.value.name!r}")
-            graph.inputs.remove(item.value)
-        item.value.const_value = item.tensor
-        graph.register_initializer(item.value)
-    rank = {name: index for index, name in enumerate(order)}
-    values = sorted(graph.initializers.values(), key=lambda value: rank.get(value.name, len(rank)))
-    for value in values:
-        graph.initializers.pop(value.name)
-    for value in values:
-        graph.register_initializer(value)
-
-
-def _seed_dropouts(graph: ir.Graph) -> list[ir.Node]:
-    """Give every Dropout without a seed a distinct one; returns those nodes."""
-    dropouts = [node for node in graph if is_dropout(node)]
-    taken = {node.attributes.get_int("seed") for node in dropouts} - {None}
-    seeded, seed = [], 0
-    for node in dropouts:
-        if "seed" in node.attributes:
-            continue
-        while seed in taken:
-            seed += 1
-        node.attributes["seed"] = ir.AttrInt64("seed", seed)
-        taken.add(seed)
-        seeded.append(node)
-    return seeded
-
-
-def _unseed(nodes: Sequence[ir.Node]) -> None:
-    # Nodes the optimizer replaced (an inference-mode Dropout became an Identity) are out
-    # of the graph; dropping their seed too is harmless.
-    for node in nodes:
-        node.attributes.pop("seed", None)
 
 
 def _fingerprint(model: ir.Model) -> tuple:
