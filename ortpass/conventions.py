@@ -44,6 +44,8 @@ CREATED_BY_KEY = "pkg.ortpass.created_by"
 SIDE_KEY = "pkg.ortpass.side"
 #: Model: the partition record of a training graph (JSON), written by the gradient build.
 TRAINING_KEY = "pkg.ortpass.training"
+#: Model metadata naming the builder of a training graph built other than by ORT ("torch").
+BUILDER_KEY = "pkg.ortpass.builder"
 #: Node: the forward node a recompute clone copies.
 RECOMPUTE_OF_KEY = "pkg.ortpass.recompute_of"
 #: Node: the forward Dropout whose mask a replayed Dropout reproduces.

@@ -1,8 +1,9 @@
 """Transformer layer boundaries in the forward part of a training graph.
 
 Rule (ORT's, ``transformer_specific.cc``, restated): a LayerNorm node (LayerNormalization,
-SimplifiedLayerNormalization, SkipLayerNormalization, SkipSimplifiedLayerNormalization) is
-the boundary that opens a layer when
+SimplifiedLayerNormalization, SkipLayerNormalization, SkipSimplifiedLayerNormalization, or
+the ``Pow(x, 2)`` opening an RMSNorm written out in plain ops, as the torch builder's
+graphs have it) is the boundary that opens a layer when
 
 1. its input 0 (the residual stream) has forward consumers that include an ``Add`` placed
    after the LayerNorm (the residual add that closes the attention block), and
@@ -105,6 +106,15 @@ class LayerBoundaries:
         return value is self.last_output or self.is_layer_input(value)
 
 
+def _is_norm(node: ir.Node) -> bool:
+    """A LayerNorm op, or the first node of an RMSNorm written out in ONNX ops (torch's
+    autograd differentiates it so: ``x * rsqrt(mean(x ** 2) + eps) * w``), ``Pow(x, 2)``
+    read by a ``ReduceMean``; its input 0 is the residual stream, as a LayerNorm's."""
+    if node.op_type in LAYER_NORM_OPS:
+        return True
+    return node.op_type == "Pow" and any(use.node.op_type == "ReduceMean" for use in node.outputs[0].uses())
+
+
 def _is_attention(node: ir.Node) -> bool:
     if node.op_type in _ATTENTION_OPS:
         return True
@@ -187,7 +197,7 @@ def find_layer_boundaries(forward: Sequence[ir.Node]) -> LayerBoundaries:
     inputs: list[ir.Value] = []
     post_ln: list[ir.Value | None] = []
     for node in forward:
-        if node.op_type not in LAYER_NORM_OPS or not node.inputs or node.inputs[0] is None:
+        if not _is_norm(node) or not node.inputs or node.inputs[0] is None:
             continue
         add = _residual_add(node, position)
         if add is not None and _reaches_attention_before(node, position[add], position):

@@ -40,6 +40,7 @@ from ortpass.conventions import REPLAY_OF_KEY, SIDE_KEY, is_onnx_domain
 from ortpass.errors import OrtpassError
 from ortpass.io import load
 from ortpass.training.build import clamp_for_ort
+from ortpass.training.split import masks_read_where_redraws_differ
 
 __all__ = [
     "DISABLED_ORT_OPTIMIZERS",
@@ -189,11 +190,10 @@ class TrainingSession:
 
 
 def training_model(model: ir.Model | str | os.PathLike) -> ir.Model:
-    """``model`` itself, or the model saved at that path: sessions take either."""
-    if isinstance(model, ir.Model):
-        return model
-    if isinstance(model, (str, os.PathLike)):
-        return load(model)
+    """``model`` itself, or the model saved at that path: sessions take either (with the
+    masks read where this onnxruntime redraws another: ``masks_read_where_redraws_differ``)."""
+    if isinstance(model, (ir.Model, str, os.PathLike)):
+        return masks_read_where_redraws_differ(model if isinstance(model, ir.Model) else load(model))
     kind = f"{type(model).__module__}.{type(model).__qualname__}"
     raise OrtpassError(f"a session runs an onnx_ir.Model or a saved model's path (str or os.PathLike), not a {kind}; "
                        "for an onnx.ModelProto, pass onnx_ir.from_proto(proto)")

@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+import numpy as np
 import onnx
 import onnx_ir as ir
 
@@ -43,7 +44,7 @@ from ortpass.conventions import MS_DOMAIN, SIDE_KEY, is_onnx_domain
 from ortpass.errors import TrainingGraphError
 from ortpass.ops.dropout import is_dropout
 
-__all__ = ["SplitGraphs", "declare_types", "read_forward_masks", "split_training_graph"]
+__all__ = ["SplitGraphs", "declare_types", "masks_read_where_redraws_differ", "read_forward_masks", "split_training_graph"]
 
 logger = logging.getLogger(__name__)
 
@@ -151,9 +152,16 @@ def declare_types(graph: onnx.GraphProto, elem_types: dict[str, int]) -> None:
         value.type.tensor_type.elem_type = elem_types[value.name]
 
 
-def read_forward_masks(model: ir.Model) -> int:
+def read_forward_masks(model: ir.Model, standard_ops: bool | None = None) -> int:
     """Make every backward Dropout seeded like a forward Dropout read that Dropout's mask
-    (``DropoutGrad``) instead of drawing it again; returns how many were rewritten."""
+    instead of drawing it again; returns how many were rewritten.  The product is
+    ``DropoutGrad`` (the training build's kernel) or, with ``standard_ops`` (default: when
+    the installed onnxruntime has no training ops), ``x * (1 / (1 - ratio)) * mask`` in
+    ai.onnx ops, what ORT's Dropout kernel computes."""
+    if standard_ops is None:
+        from ortpass.training.backend import has_training_ops
+
+        standard_ops = not has_training_ops()
     forward_by_seed: dict[int, ir.Node] = {}
     paired: list[tuple[ir.Node, ir.Node]] = []
     for node in model.graph:
@@ -174,11 +182,25 @@ def read_forward_masks(model: ir.Model) -> int:
                 f"backward {redraw.op_type} {redraw.name!r} draws the mask of forward {forward.op_type} "
                 f"{forward.name!r} again; only ai.onnx Dropout can read a kept mask instead"
             )
-        _read_mask(model.graph, redraw, _mask_of(model.graph, forward))
+        _read_mask(model.graph, redraw, _mask_of(model.graph, forward), standard_ops)
     model.graph.remove([redraw for redraw, _ in paired], safe=True)
     if paired:
         logger.info("%d backward dropout(s) read their forward mask instead of drawing it again", len(paired))
     return len(paired)
+
+
+def masks_read_where_redraws_differ(model: ir.Model) -> ir.Model:
+    """``model``, or where the installed onnxruntime has no training ops, a copy whose
+    backward Dropouts read their forward Dropout's mask (:func:`read_forward_masks`): on
+    stock onnxruntime (1.32, measured) a second Dropout with the same seed does not draw
+    the same mask, even in one graph, so a recomputed Dropout would not match forward."""
+    from ortpass.training.backend import has_training_ops
+
+    if has_training_ops() or not any(is_dropout(n) and "seed" in n.attributes and is_backward(n) for n in model.graph):
+        return model
+    model = model.clone()
+    read_forward_masks(model, standard_ops=True)
+    return model
 
 
 def _is_onnx_dropout(node: ir.Node) -> bool:
@@ -211,18 +233,44 @@ def _is_constant_true(value: ir.Value | None) -> bool:
     return tensor is not None and bool(tensor.numpy().item())
 
 
-def _read_mask(graph: ir.Graph, redraw: ir.Node, mask: ir.Value) -> None:
+def _read_mask(graph: ir.Graph, redraw: ir.Node, mask: ir.Value, standard_ops: bool) -> None:
     inputs = list(redraw.inputs) + [None] * (3 - len(redraw.inputs))
     ratio, mode = inputs[1], inputs[2]
     if not _is_constant_true(mode):
         # Without training mode the Dropout is the identity; the build removes such nodes.
         raise TrainingGraphError(f"backward Dropout {redraw.name!r} is not in training mode; cannot pair its mask")
-    grad = ir.Node(MS_DOMAIN, "DropoutGrad", [inputs[0], mask, ratio, mode], name=f"{redraw.name}_kept_mask")
-    tag(grad, "backward")
-    result = grad.outputs[0]
+    stem = f"{redraw.name}_kept_mask"
+    if standard_ops:
+        nodes = _masked_product(inputs[0], mask, ratio, stem)
+    else:
+        nodes = [ir.Node(MS_DOMAIN, "DropoutGrad", [inputs[0], mask, ratio, mode], name=stem)]
+    for node in nodes:
+        tag(node, "backward")
+    result = nodes[-1].outputs[0]
     product = redraw.outputs[0]
     result.name, result.type, result.shape = product.name, product.type, product.shape
-    graph.insert_after(redraw, grad)
+    graph.insert_after(redraw, nodes)
     ir.convenience.replace_all_uses_with(product, result, replace_graph_outputs=True)
     if len(redraw.outputs) > 1:
         ir.convenience.replace_all_uses_with(redraw.outputs[1], mask, replace_graph_outputs=True)
+
+
+def _masked_product(x: ir.Value, mask: ir.Value, ratio: ir.Value | None, stem: str) -> list[ir.Node]:
+    """``x * (1 / (1 - ratio)) * Cast(mask)`` in ai.onnx ops (ratio 0.5 when absent, as
+    Dropout's default), the scale computed in ``x``'s type as the kernel does."""
+    dtype = x.dtype or ir.DataType.FLOAT
+    one = ir.node("Constant", [], attributes={"value": ir.tensor(np.array(1.0, dtype=dtype.numpy()))}, name=f"{stem}_one")
+    nodes = [one]
+    if ratio is None:
+        half = ir.node("Constant", [], attributes={"value": ir.tensor(np.array(0.5, dtype=dtype.numpy()))}, name=f"{stem}_ratio")
+        nodes.append(half)
+        ratio = half.outputs[0]
+    else:
+        nodes.append(ir.node("CastLike", [ratio, x], name=f"{stem}_ratio"))
+        ratio = nodes[-1].outputs[0]
+    keep = ir.node("Sub", [one.outputs[0], ratio], name=f"{stem}_keep")
+    scale = ir.node("Div", [one.outputs[0], keep.outputs[0]], name=f"{stem}_scale")
+    scaled = ir.node("Mul", [x, scale.outputs[0]], name=f"{stem}_scaled")
+    weights = ir.node("CastLike", [mask, x], name=f"{stem}_cast")
+    product = ir.node("Mul", [scaled.outputs[0], weights.outputs[0]], name=stem)
+    return [*nodes, keep, scale, scaled, weights, product]

@@ -1,0 +1,220 @@
+"""The joint forward+backward program torch traced, written as an ortpass training graph.
+
+:func:`joint_to_onnx` writes the program in ONNX (torch.onnx, then onnxscript's optimizer
+with the parameters kept); :func:`record_training_graph` gives it what every training
+graph of ortpass has: outputs named as ORT's builder names them (``<param>_grad``), the
+parameters as graph inputs with their values, the loss's seed ``<loss>_grad`` an
+initializer of ones, each node tagged forward or backward, and the training record
+(:mod:`ortpass.analysis.partition`).  Used by :mod:`ortpass.training.from_torch`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+import onnx_ir.passes.common as common_passes
+import torch
+import torch.utils._pytree as pytree
+
+from ortpass.analysis.partition import TrainingInfo, set_training_info, tag
+from ortpass.conventions import BUILDER_KEY, MAX_ORT_IR_VERSION, SIDE_KEY
+from ortpass.errors import TrainingGraphError
+from ortpass.ops.optimizer import optimize_keeping_training_values
+
+__all__ = ["joint_to_onnx", "record_training_graph"]
+
+
+def joint_to_onnx(program: torch.export.ExportedProgram, input_names: list[str]) -> ir.Model:
+    """The joint program in ONNX, every output (the gradients included) a graph output, in
+    the program's output order; the user inputs and seeds named."""
+    from torch.export.graph_signature import OutputKind
+
+    _ops_torch_onnx_writes_right(program)
+    signature = program.graph_signature
+    for spec in signature.output_specs:
+        spec.kind = OutputKind.USER_OUTPUT
+    _, flat_spec = pytree.tree_flatten(tuple(range(len(signature.output_specs))))
+    program._module_call_graph[0].signature.out_spec = flat_spec
+    try:
+        # Not torch.onnx's optimize=True: its optimizer folds Transpose(weight) into a
+        # constant and merges equal weights.  onnxscript-optimize keeps the parameters.
+        onnx_program = torch.onnx.export(program, dynamo=True, optimize=False, verbose=False)
+    except Exception as exc:
+        raise TrainingGraphError(f"torch.onnx could not write the joint graph: {exc}") from exc
+    model = onnx_program.model
+    params = list(program.graph_signature.parameters)  # their FQNs, the initializers' names
+    optimize_keeping_training_values(model, params)
+    model.ir_version = min(model.ir_version, MAX_ORT_IR_VERSION)
+    user_inputs = [v for v in model.graph.inputs if v.name not in model.graph.initializers]
+    for value, name in zip(user_inputs, input_names):
+        value.name = name
+    return model
+
+
+def _ops_torch_onnx_writes_right(program: torch.export.ExportedProgram) -> None:
+    """Two ATen ops of the joint graph rewritten into ops torch.onnx (torch 2.14) translates:
+
+    - ``aten.empty_permuted`` (a backward formula's buffer) -> ``aten.empty``: torch.onnx has
+      no translation, and an ONNX tensor has no memory layout to permute;
+    - ``aten.copy(dst, src)`` with ``src`` broadcast to ``dst``'s shape (``ids[:, 0] = 0``,
+      as transformers shifts labels right for BART and T5) -> ``zeros_like(dst) + src``:
+      torch.onnx writes ``src`` unbroadcast, and ORT then refuses the graph.
+    """
+    aten = torch.ops.aten
+    graph = program.graph
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target is aten.empty_permuted.default:
+            node.target = aten.empty.memory_format
+            node.args = node.args[:1]
+        elif node.target is aten.copy.default and _shape(node.args[0]) != _shape(node.args[1]):
+            dst, src = node.args[:2]
+            with graph.inserting_before(node):
+                zeros = graph.call_function(aten.zeros_like.default, (dst,))
+                if src.meta["val"].dtype != dst.meta["val"].dtype:
+                    src = graph.call_function(aten._to_copy.default, (src,), {"dtype": dst.meta["val"].dtype})
+                summed = graph.call_function(aten.add.Tensor, (zeros, src))
+            summed.meta["val"] = node.meta["val"]
+            node.replace_all_uses_with(summed)
+            graph.erase_node(node)
+    program.graph_module.recompile()
+
+
+def _shape(node: Any) -> tuple | None:
+    value = getattr(node, "meta", {}).get("val")
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+
+
+def record_training_graph(
+    model: ir.Model, backward, output_args: list[str], inputs_by_arg: dict[str, str], out_names, seed_names, loss_index, with_grad, prefix: str
+) -> TrainingInfo:
+    """Name the outputs and the parameters, make the loss's seed ones, drop the objective,
+    tag the sides and record the training info.  ``output_args``: the joint program's
+    output names, in the order of the ONNX graph's outputs; ``inputs_by_arg``: its user
+    inputs' names -> the graph's input names."""
+    graph = model.graph
+    by_arg = dict(zip(output_args, graph.outputs))
+    flat = list(graph.outputs)[1 : 1 + len(out_names)]
+    graph.outputs.clear()
+    for value, name in zip(flat, out_names):
+        graph.outputs.append(_as_output(graph, value, name))
+    state = _rename_state(graph, prefix)
+    gradients, input_gradients = {}, {}
+    for arg, param in backward.gradients_to_parameters.items():
+        param = state.get(param, param.removeprefix(f"{prefix}."))
+        gradients[param] = _append_output(graph, by_arg[arg], f"{param}_grad")
+    for arg, input_arg in backward.gradients_to_user_inputs.items():
+        user_input = inputs_by_arg[input_arg]
+        if user_input not in seed_names:  # not a seed's own gradient
+            input_gradients[user_input] = _append_output(graph, by_arg[arg], f"{user_input}_grad")
+    _make_inputs(graph, list(gradients))
+    loss_name = out_names[loss_index] if loss_index is not None else None
+    if loss_name is not None:
+        _seed_of_ones(graph, seed_names[0])
+    common_passes.RemoveUnusedNodesPass()(model)
+    _dims_from_inputs(graph, [v for v in graph.inputs if v.name in seed_names])
+    _name_nodes(graph)
+    _tag_sides(graph, flat)
+    early = sorted({n.name for v in graph.inputs if v.name in seed_names for n, _ in v.uses() if n.metadata_props[SIDE_KEY] == "forward"})
+    if early:
+        raise TrainingGraphError(f"forward nodes {early} read an output's gradient (a size torch.onnx took from it)")
+    seeds = {} if loss_name else {out_names[k]: s for k, s in zip(with_grad, seed_names)}
+    info = TrainingInfo(loss_name, tuple(gradients), gradients, seeds, input_gradients)
+    set_training_info(model, info)
+    model.metadata_props[BUILDER_KEY] = "torch"
+    return info
+
+
+def _as_output(graph: ir.Graph, value: ir.Value, name: str) -> ir.Value:
+    """``value`` renamed ``name``, or an Identity of it named so where it cannot be renamed
+    (a graph input, an initializer, already an output, or the name taken)."""
+    taken = any(v.name == name for v in graph.outputs) or name in graph.initializers
+    if value.is_graph_input() or value.is_initializer() or value.is_graph_output() or taken:
+        node = ir.node("Identity", [value], name=f"{name}_identity")
+        graph.append(node)
+        node.outputs[0].name = name
+        node.outputs[0].shape, node.outputs[0].type = value.shape, value.type
+        return node.outputs[0]
+    value.name = name
+    return value
+
+
+def _append_output(graph: ir.Graph, value: ir.Value, name: str) -> str:
+    output = _as_output(graph, value, name)
+    graph.outputs.append(output)
+    return output.name
+
+
+def _rename_state(graph: ir.Graph, prefix: str) -> dict[str, str]:
+    """Parameters and buffers lose the wrapper's prefix: ``inner.layer.weight`` ->
+    ``layer.weight``.  Returns old -> new names."""
+    renamed = {}
+    for old in [n for n in graph.initializers if n.startswith(f"{prefix}.")]:
+        value = graph.initializers.pop(old)
+        value.name = old.removeprefix(f"{prefix}.")
+        graph.initializers[value.name] = value
+        renamed[old] = value.name
+    return renamed
+
+
+def _make_inputs(graph: ir.Graph, params: list[str]) -> None:
+    """Parameters become graph inputs first, their values kept as initializers (what ORT's
+    builder does: overridable defaults, a self-contained model)."""
+    existing = set(graph.inputs)
+    for k, name in enumerate(params):
+        value = graph.initializers[name]
+        if value not in existing:
+            graph.inputs.insert(k, value)
+
+
+def _seed_of_ones(graph: ir.Graph, name: str) -> None:
+    (seed,) = [v for v in graph.inputs if v.name == name]
+    graph.inputs.remove(seed)
+    dtype = seed.dtype.numpy() if seed.dtype is not None else np.float32
+    seed.const_value = ir.tensor(np.ones([int(d) for d in seed.shape], dtype=dtype), name=name)
+    graph.register_initializer(seed)
+
+
+def _dims_from_inputs(graph: ir.Graph, seeds: list[ir.Value]) -> None:
+    """Read each size that torch.onnx takes from a seed (``Shape(seed, start=k,
+    end=k+1)``: the seed's dims are the output's) from an input of the module with the
+    same symbolic dim instead: forward must not read backward's inputs."""
+    others = [v for v in graph.inputs if v not in seeds]
+    for seed in seeds:
+        for node, _ in list(seed.uses()):
+            if node.op_type != "Shape":
+                continue
+            start, end = node.attributes.get_int("start", 0), node.attributes.get_int("end", len(seed.shape))
+            dim = seed.shape[start] if end == start + 1 else None
+            source = next(((v, a) for v in others for a, d in enumerate(v.shape or ()) if isinstance(dim, ir.SymbolicDim) and dim.value is not None and d == dim), None)
+            if source is None:
+                continue  # a backward reader: left as it is
+            node.replace_input_with(0, source[0])
+            node.attributes["start"] = ir.AttrInt64("start", source[1])
+            node.attributes["end"] = ir.AttrInt64("end", source[1] + 1)
+
+
+def _name_nodes(graph: ir.Graph) -> None:
+    seen: set[str] = set()
+    for index, node in enumerate(graph):
+        if not node.name or node.name in seen:
+            node.name = f"{node.op_type}_ortpass_{index}"
+        seen.add(node.name)
+
+
+def _tag_sides(graph: ir.Graph, forward_outputs: list[ir.Value]) -> None:
+    """Forward: every node a forward output needs (those read no seed: they are detached
+    from the objective).  Backward: the rest, the seeds' readers and what only gradients need."""
+    forward: set[ir.Node] = set()
+    stack = [v.producer() for v in forward_outputs if v.producer() is not None]
+    while stack:
+        node = stack.pop()
+        if node in forward:
+            continue
+        forward.add(node)
+        stack.extend(v.producer() for v in node.inputs if v is not None and v.producer() is not None)
+    for node in graph:
+        tag(node, "forward" if node in forward else "backward")

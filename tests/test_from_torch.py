@@ -1,0 +1,223 @@
+"""The torch builder (``ortpass.training.build_training_graph_from_torch``): training graphs
+from torch's autograd, in standard ONNX ops, recorded as ORT's builder records its own.
+
+Each case builds a small module's graph, runs it on ONNX Runtime (whichever is installed:
+CI runs this file with the training build and in a venv holding only stock
+``onnxruntime``), and compares with torch eager; or checks a refusal names its cause.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import ortpass
+from ortpass.analysis.partition import get_partition, get_training_info
+from ortpass.conventions import BUILDER_KEY, is_onnx_domain
+from ortpass.errors import OrtpassError, TrainingGraphError
+from ortpass.runtime import SplitTrainingSession, TrainingSession
+from ortpass.testing.models import GPTDecoder
+from ortpass.training.from_torch import build_training_graph_from_torch
+
+pytestmark = pytest.mark.stock
+
+
+class _Classifier(nn.Module):
+    def __init__(self, tied: bool = False):
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.norm = nn.LayerNorm(8)
+        self.hidden = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 16, bias=False)
+        if tied:
+            self.head.weight = self.embed.weight
+
+    def logits(self, ids):
+        return self.head(F.gelu(self.hidden(self.norm(self.embed(ids)))))
+
+    def forward(self, ids, labels):
+        return F.cross_entropy(self.logits(ids).flatten(0, 1), labels.flatten())
+
+
+def _batch(batch=3, seq=5, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 16, (batch, seq), generator=generator), torch.randint(0, 16, (batch, seq), generator=generator)
+
+
+def _torch_step(module, *args):
+    module.zero_grad()
+    loss = module(*args)
+    loss.backward()
+    return loss.item(), {n: p.grad.numpy().copy() for n, p in module.named_parameters()}
+
+
+def _build(module, ids, labels, **kwargs):
+    return build_training_graph_from_torch(
+        module, (ids, labels), input_names=["ids", "labels"], dynamic_axes={"ids": [0, 1], "labels": [0, 1]}, **kwargs
+    )
+
+
+def test_loss_graph_is_standard_onnx_recorded_like_orts_and_trains_like_torch():
+    torch.manual_seed(0)
+    module = _Classifier()
+    ids, labels = _batch()
+    model = _build(module, ids, labels)
+    info = get_training_info(model)
+    assert info.loss == "loss" and model.metadata_props[BUILDER_KEY] == "torch"
+    assert set(info.params) == {n for n, _ in module.named_parameters()}
+    assert info.gradients == {p: f"{p}_grad" for p in info.params}
+    assert "loss_grad" in model.graph.initializers  # the loss's seed, ones, as ORT's builder names it
+    assert all(is_onnx_domain(node.domain) for node in model.graph)  # nothing stock onnxruntime lacks
+    partition = get_partition(model)
+    assert partition.forward and partition.backward and partition.stashed
+    # At other sizes than the trace's: the dims are symbolic.
+    for batch, seq in [(3, 5), (2, 7)]:
+        ids, labels = _batch(batch, seq, seed=batch)
+        expected_loss, expected = _torch_step(module, ids, labels)
+        result = TrainingSession(model).run({"ids": ids.numpy(), "labels": labels.numpy()})
+        assert result.loss == pytest.approx(expected_loss, rel=1e-6)
+        for name, grad in expected.items():
+            np.testing.assert_allclose(result.gradients[name], grad, rtol=1e-5, atol=1e-6)
+
+
+def test_tied_weight_gets_one_gradient_the_sum_of_both_uses():
+    torch.manual_seed(0)
+    module = _Classifier(tied=True)
+    ids, labels = _batch()
+    model = _build(module, ids, labels)
+    params = get_training_info(model).params
+    assert ("embed.weight" in params) != ("head.weight" in params)  # one name for the one tensor
+    _, expected = _torch_step(module, ids, labels)
+    result = TrainingSession(model).run({"ids": ids.numpy(), "labels": labels.numpy()})
+    tied = next(p for p in params if p in ("embed.weight", "head.weight"))
+    np.testing.assert_allclose(result.gradients[tied], expected["embed.weight"], rtol=1e-5, atol=1e-6)
+
+
+class _Logits(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = _Classifier()
+
+    def forward(self, x, ids):
+        return self.inner.logits(ids) + x, x.sum()
+
+
+def test_outputs_graph_takes_each_outputs_gradient_and_gives_the_inputs():
+    """No loss: the seeds are graph inputs; an input that requires grad gets a gradient."""
+    torch.manual_seed(0)
+    module = _Logits()
+    ids, _ = _batch()
+    x = torch.randn(3, 5, 16, requires_grad=True)
+    model = build_training_graph_from_torch(module, (x, ids), input_names=["x", "ids"], dynamic_axes={"x": [0, 1], "ids": [0, 1]})
+    info = get_training_info(model)
+    assert info.loss is None
+    assert info.seeds == {"output_0": "output_0_grad", "output_1": "output_1_grad"}
+    assert info.input_gradients == {"x": "x_grad"}
+    seeds = {"output_0": np.random.default_rng(0).standard_normal((3, 5, 16), dtype=np.float32), "output_1": np.float32(0.5)}
+    outputs, gradients = SplitTrainingSession(model).run({"x": x.detach().numpy(), "ids": ids.numpy()}, seeds)
+    logits, total = module(x, ids)
+    torch.autograd.backward([logits, total], [torch.from_numpy(seeds["output_0"]), torch.tensor(0.5)])
+    np.testing.assert_allclose(outputs["output_0"], logits.detach().numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(gradients["x_grad"], x.grad.numpy(), rtol=1e-5, atol=1e-6)
+    for name, p in module.named_parameters():
+        np.testing.assert_allclose(gradients[f"{name}_grad"], p.grad.numpy(), rtol=1e-5, atol=1e-6)
+
+
+class _Doubled(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 3  # not the derivative: torch.export would silently drop this
+
+
+def test_an_autograd_function_is_refused_by_name():
+    class WithFunction(_Classifier):
+        def forward(self, ids, labels):
+            return _Doubled.apply(super().forward(ids, labels))
+
+    ids, labels = _batch()
+    with pytest.raises(TrainingGraphError, match="_Doubled.*would lose its backward"):
+        _build(WithFunction(), ids, labels)
+
+
+def test_a_buffer_update_is_refused_by_name_and_an_eval_batchnorm_trains():
+    class Normed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear, self.bn = nn.Linear(4, 4), nn.BatchNorm1d(4)
+
+        def forward(self, x):
+            return self.bn(self.linear(x)).square().mean()
+
+    module, x = Normed(), torch.randn(6, 4)
+    before = module.bn.running_mean.clone()
+    with pytest.raises(TrainingGraphError, match=r"updates buffers \[.*'bn.running_mean'"):
+        build_training_graph_from_torch(module, (x,), input_names=["x"])
+    assert torch.equal(module.bn.running_mean, before)  # the builder's own forward left it
+    module.bn.eval()
+    model = build_training_graph_from_torch(module, (x,), input_names=["x"])
+    module.zero_grad()
+    module(x).backward()
+    result = TrainingSession(model).run({"x": x.numpy()})
+    np.testing.assert_allclose(result.gradients["linear.weight"], module.linear.weight.grad.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_recompute_on_a_torch_built_graph_keeps_every_gradient_with_dropout():
+    """The post-grad passes do not depend on the builder: recompute clones the layers of a
+    decoder with dropout, and with the same seeds the step is bitwise the one without."""
+    torch.manual_seed(0)
+    module = GPTDecoder(vocab=32, hidden=16, heads=2, layers=2, max_seq=16, dropout=0.1)
+    ids = torch.randint(0, 32, (2, 8))
+    model = build_training_graph_from_torch(
+        module, (ids, ids.clone()), input_names=["input_ids", "labels"], dynamic_axes={"input_ids": [0, 1], "labels": [0, 1]}
+    )
+    dropouts = [node for node in model.graph if node.op_type == "Dropout"]
+    assert dropouts
+    for seed, node in enumerate(dropouts):  # every mask drawn alike in both sessions
+        node.attributes["seed"] = ir.AttrInt64("seed", seed)
+    plain_model = model.clone()
+    result = ortpass.pipeline("fix-dropout-seed(level=1),recompute(level=1)", assume=["training-graph"])(model)
+    assert result.report["recompute"].stats["counts"]["nodes cloned"] > 0
+    assert any(node.op_type == "Dropout" and node.name.endswith("_recompute") for node in result.model.graph)
+    feeds = {"input_ids": ids.numpy(), "labels": ids.numpy()}
+    plain, recomputed = TrainingSession(plain_model, threads=1).run(feeds), TrainingSession(result.model, threads=1).run(feeds)
+    assert plain.loss == recomputed.loss
+    for name, grad in plain.gradients.items():
+        np.testing.assert_array_equal(recomputed.gradients[name], grad, err_msg=name)
+
+
+def test_a_bad_request_names_the_problem():
+    ids, labels = _batch()
+    with pytest.raises(TrainingGraphError, match="not among"):
+        build_training_graph_from_torch(_Classifier(), (ids, labels), dynamic_axes={"tokens": [0]})
+    with pytest.raises(TrainingGraphError, match="output 1 is not a floating-point scalar loss that requires grad"):
+        build_training_graph_from_torch(_Logits(), (torch.randn(3, 5, 16), ids), loss=1)  # x.sum(), x without grad
+    with pytest.raises(TrainingGraphError, match="no output requires grad"):
+        build_training_graph_from_torch(nn.Identity(), (torch.randn(2, 3),))
+
+
+def test_ortmodule_picks_the_torch_builder_without_the_training_build(monkeypatch):
+    import ortpass.training.backend as backend
+
+    monkeypatch.setattr(backend, "has_training_ops", lambda: False)
+    assert ortpass.ORTModule(nn.Linear(2, 2)).builder_in_use == "torch"
+    monkeypatch.setattr(backend, "has_training_ops", lambda: True)
+    assert ortpass.ORTModule(nn.Linear(2, 2)).builder_in_use == "ort"
+    with pytest.raises(OrtpassError, match="fused_attention=True"):
+        ortpass.ORTModule(nn.Linear(2, 2), builder="torch", fused_attention=True)
+
+
+def test_saved_and_loaded_the_graph_keeps_its_record(tmp_path):
+    ids, labels = _batch()
+    model = _build(_Classifier(), ids, labels)
+    ir.save(model, tmp_path / "train.onnx")
+    loaded = ir.load(tmp_path / "train.onnx")
+    assert get_training_info(loaded) == get_training_info(model)
+    assert len(get_partition(loaded).backward) == len(get_partition(model).backward)
