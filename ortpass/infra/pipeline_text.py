@@ -30,7 +30,7 @@ _OPTION_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _SCALARS = (bool, int, float, str, type(None))
 _CLOSING = {"(": ")", "[": "]", "{": "}"}
 
-__all__ = ["PassSpec", "parse_pipeline", "passes_from_text", "pipeline"]
+__all__ = ["PassSpec", "parse_pipeline", "passes_from_text", "passes_of_phase", "pipeline"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,6 +230,18 @@ def passes_from_text(spec: str) -> list[ir.passes.PassBase]:
     """The passes ``spec`` names, built with their options checked, in the order written
     (no manager: the caller orders them, e.g. once it knows what the input model is)."""
     return [_construct(s) for s in parse_pipeline(spec)]
+
+
+def passes_of_phase(spec: str, phase: str) -> str:
+    """The text of ``spec``'s passes whose ``phase`` is ``phase``, in the order written
+    (e.g. the post-grad part of a pipeline, for a training graph built another way)."""
+    specs = parse_pipeline(spec)
+    ends = [s.position for s in specs[1:]] + [len(spec)]
+    return ",".join(
+        spec[s.position : end].strip().rstrip(",")
+        for s, end in zip(specs, ends)
+        if getattr(get_pass(s.name), "phase", "any") == phase
+    )
 
 
 def pipeline(spec: str, **manager_kwargs: Any) -> PassManager:

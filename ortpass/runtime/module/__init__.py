@@ -101,6 +101,14 @@ class ORTModule(GraphBuilding, torch.nn.Module):
             raises); otherwise every output that requires grad.  ``"outputs"``: every
             output that requires grad, always (a loss and its logits both in the loop's
             loss, as in distillation).
+        builder: who builds the training graph.  ``"ort"``: ONNX Runtime's gradient
+            builder, on the TorchScript export (needs ``onnxruntime-training``; every
+            pass of the pipeline runs, PythonOps and fused attention included).
+            ``"torch"``: torch's autograd on a ``torch.export`` trace
+            (:func:`ortpass.training.build_training_graph_from_torch`), in standard ONNX
+            ops that stock ``onnxruntime`` runs; the pipeline's post-grad passes run on it,
+            its pre-grad passes do not.  Default ``"auto"``: ``"ort"`` where the installed
+            onnxruntime is the training build, else ``"torch"``.
         fallback: ``"raise"`` (default): a module ORTModule cannot export or differentiate
             raises, naming why.  ``"torch"``: such a call runs the module in torch instead,
             with one warning per input schema naming the cause.
@@ -123,6 +131,7 @@ class ORTModule(GraphBuilding, torch.nn.Module):
         opset: int = 17,
         fused_attention: bool | Literal["auto"] = "auto",
         differentiate: Literal["auto", "outputs"] = "auto",
+        builder: Literal["auto", "ort", "torch"] = "auto",
         fallback: Literal["raise", "torch"] = "raise",
     ) -> None:
         super().__init__()
@@ -136,6 +145,17 @@ class ORTModule(GraphBuilding, torch.nn.Module):
             raise OrtpassError(f"differentiate must be 'auto' or 'outputs', not {differentiate!r}")
         if fallback not in ("raise", "torch"):
             raise OrtpassError(f"fallback must be 'raise' or 'torch', not {fallback!r}")
+        if builder not in ("auto", "ort", "torch"):
+            raise OrtpassError(f"builder must be 'auto', 'ort' or 'torch', not {builder!r}")
+        if builder == "auto":
+            from ortpass.training.backend import has_training_ops
+
+            builder = "ort" if has_training_ops() else "torch"
+        if builder == "torch" and fused_attention is True:
+            raise OrtpassError(
+                "fused_attention=True exports attention as a PythonOp, which needs ORT's builder and the training "
+                "build; the torch builder differentiates attention as torch decomposes it"
+            )
         if pipeline is None:
             from ortpass.passes import DEFAULT_PIPELINE
 
@@ -149,6 +169,7 @@ class ORTModule(GraphBuilding, torch.nn.Module):
         self.fused_attention = fused_attention
         self.differentiate = differentiate
         self.fallback = fallback
+        self.builder_in_use = builder
         self.graph_builds = 0
         self.transitions = GraphTransitionManager()
         self._noticed_checkpointing = False

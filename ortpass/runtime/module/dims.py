@@ -41,26 +41,35 @@ Dim = tuple[int, int]  # (tensor position among the call's tensor arguments, axi
 
 @dataclasses.dataclass(frozen=True)
 class PinnedDims:
-    """The dims a graph was built static in, with their sizes."""
+    """The dims a graph was built static in, with their sizes, and the dynamic dims that
+    hold from size 2 on (``at_least_two``: torch.export assumes a dynamic dim is not 0 or
+    1, where broadcasting could differ)."""
 
     sizes: tuple[tuple[Dim, int], ...] = ()
+    at_least_two: tuple[Dim, ...] = ()
 
     @classmethod
-    def of(cls, dims: Iterable[Dim], tensors: Sequence[torch.Tensor]) -> PinnedDims:
-        return cls(tuple(sorted((dim, int(tensors[dim[0]].shape[dim[1]])) for dim in set(dims))))
+    def of(cls, dims: Iterable[Dim], tensors: Sequence[torch.Tensor], at_least_two: Iterable[Dim] = ()) -> PinnedDims:
+        sizes = tuple(sorted((tuple(dim), int(tensors[dim[0]].shape[dim[1]])) for dim in {tuple(d) for d in dims}))
+        return cls(sizes, tuple(sorted(tuple(d) for d in at_least_two)))
 
     @property
     def dims(self) -> frozenset[Dim]:
         return frozenset(dim for dim, _ in self.sizes)
 
     def accepts(self, tensors: Sequence[torch.Tensor]) -> bool:
-        return all(tensors[i].shape[axis] == size for (i, axis), size in self.sizes)
+        return all(tensors[i].shape[axis] == size for (i, axis), size in self.sizes) and all(
+            tensors[i].shape[axis] >= 2 for i, axis in self.at_least_two
+        )
 
     def difference(self, tensors: Sequence[torch.Tensor], names: Sequence[str]) -> str:
         """The first pinned dim whose size ``tensors`` change, in words."""
         for (i, axis), size in self.sizes:
             if tensors[i].shape[axis] != size:
                 return f"{names[i]} dim {axis} is {tensors[i].shape[axis]}, and the graph for {size} is static in it"
+        for i, axis in self.at_least_two:
+            if tensors[i].shape[axis] < 2:
+                return f"{names[i]} dim {axis} is {tensors[i].shape[axis]}, and the graph holds from 2 on"
         return "no pinned dim changed"
 
 

@@ -53,6 +53,7 @@ class BuiltGraph:
     batch_norms: list[BatchNormUpdate]
     output_spec: Any  # a TreeSpec
     output_leaves: list[tuple[str, str]]
+    report: Any = None  # the pipeline's PassReport (None for a graph loaded from the cache)
 
     @functools.cached_property
     def written_by_ort(self) -> set[str]:
@@ -141,11 +142,15 @@ class GraphBuilding:
             self.module, schema, self.pipeline if kind == "train" else "forward", self.opset, self.fused_attention
         )
         key_material["differentiate"] = self.differentiate
+        key_material["builder"] = self.builder_in_use
         if self.cache_dir is not None:
             cached = load_cached(self.cache_dir, key_material)
             if cached is not None:
                 model, meta = cached
-                pinned = PinnedDims(tuple((tuple(dim), size) for dim, size in meta["pinned"]))
+                pinned = PinnedDims(
+                    tuple((tuple(dim), size) for dim, size in meta["pinned"]),
+                    tuple(tuple(dim) for dim in meta.get("at_least_two", ())),
+                )
                 if pinned.accepts(tensors):
                     return self._graph_from(model, meta), "load", pinned
         static = self._static.setdefault(schema, set())
@@ -160,11 +165,13 @@ class GraphBuilding:
                 static |= needed
                 logger.info("ORTModule exports again with dims %s static: %s", sorted(needed), exc)
         self.graph_builds += 1
-        pinned = PinnedDims.of(meta.pop("pin"), tensors)
+        report = meta.pop("report")
+        pinned = PinnedDims.of(meta.pop("pin"), tensors, meta.get("at_least_two", ()))
         meta["pinned"] = [[list(dim), size] for dim, size in pinned.sizes]
+        meta["at_least_two"] = [list(dim) for dim in pinned.at_least_two]
         if self.cache_dir is not None:
             store_cached(self.cache_dir, key_material, model, meta)
-        return self._graph_from(model, meta, output_tree), "export", pinned
+        return self._graph_from(model, meta, output_tree, report), "export", pinned
 
     @staticmethod
     def _dims_needed_static(exc: BaseException, leaves, tensors) -> set[tuple[int, int]]:
@@ -221,6 +228,8 @@ class GraphBuilding:
         flat = FlatCall(self.module, leaves, spec, bound, find_loss=kind == "train" and self.differentiate == "auto")
         named = [*self.module.named_parameters(remove_duplicate=False), *self.module.named_buffers(remove_duplicate=False)]
         state = {f"{INNER}.{n}" for n, _ in named}
+        if kind == "train" and self.builder_in_use == "torch":
+            return self._built_by_torch(flat, names, tensors, static, state)
         model = self._export(flat, names, tensors, static, kind)
         # Read now: the export at other sizes below traces ``flat`` again.
         output_leaves, output_spec, output_tree = flat.output_leaves, flat.output_spec, flat.output_tree
@@ -238,10 +247,12 @@ class GraphBuilding:
         pin = self._pins(flat, names, tensors, static, kind, model, state)
         _state_to_inputs(model, state)
         batch_norms: list[BatchNormUpdate] = []
+        report = None
         if kind == "train":
             import ortpass
 
-            model = ortpass.pipeline(self.pipeline)(model).model
+            result = ortpass.pipeline(self.pipeline)(model)
+            model, report = result.model, result.report
             batch_norms = expose_batch_norm_statistics(model, self.module, f"{INNER}.")
         stripped = _strip_state_values(model, state)
         graph_inputs = {v.name for v in model.graph.inputs}
@@ -255,8 +266,52 @@ class GraphBuilding:
             "output_spec": output_spec,
             "output_leaves": output_leaves,
             "pin": pin,
+            "report": report,
         }
         return model, meta, output_tree
+
+    def _built_by_torch(self, flat: FlatCall, names, tensors, static, state: set[str]) -> tuple[ir.Model, dict, Any]:
+        """The training graph from torch's autograd (:mod:`ortpass.training.from_torch`), then
+        the pipeline's post-grad passes.  torch.export proves the dims it leaves symbolic
+        dynamic, from size 2 on; the others are pinned."""
+        import ortpass
+        from ortpass.infra.pipeline_text import passes_of_phase
+        from ortpass.training.from_torch import build_training_graph_from_torch
+
+        dynamic = {n: [a for a in range(t.dim()) if (i, a) not in static] for i, (n, t) in enumerate(zip(names, tensors))}
+        traced = [t.detach().requires_grad_(t.requires_grad) for t in tensors]
+        with export_side_effects_undone(self.module), checkpointing_disabled(self.module, self._notice_checkpointing):
+            model = build_training_graph_from_torch(
+                flat, traced, input_names=names, dynamic_axes=dynamic,
+                loss=lambda outputs: 0 if any(k == "loss" for _, k in flat.output_leaves) else None,
+            )  # fmt: skip
+        has_loss = any(k == "loss" for _, k in flat.output_leaves)
+        outputs = [v.name for v in model.graph.outputs[: len(flat.requires_grad)]]
+        post_grad = passes_of_phase(self.pipeline, "post-grad")
+        report = None
+        if post_grad:
+            result = ortpass.pipeline(post_grad, assume=["training-graph"])(model)
+            model, report = result.model, result.report
+        _state_to_inputs(model, state)
+        stripped = _strip_state_values(model, state)
+        graph_inputs = {v.name: v for v in model.graph.inputs}
+        symbolic = {(i, a) for i, n in enumerate(names) if n in graph_inputs
+                    for a, d in enumerate(graph_inputs[n].shape or ()) if not isinstance(d, int)}  # fmt: skip
+        all_dims = {(i, a) for i, t in enumerate(tensors) for a in range(t.dim())}
+        meta = {
+            "kind": "loss" if has_loss else "split",
+            "tensor_inputs": [n if n in graph_inputs else None for n in names],
+            "inputs_with_grad": [i for i, t in enumerate(tensors) if t.requires_grad],
+            "state_inputs": [[n, n.removeprefix(f"{INNER}.")] for n in stripped if n in graph_inputs],
+            "outputs": outputs,
+            "batch_norms": [],
+            "output_spec": flat.output_spec,
+            "output_leaves": flat.output_leaves,
+            "pin": sorted(all_dims - symbolic),
+            "at_least_two": sorted(symbolic),
+            "report": report,
+        }
+        return model, meta, flat.output_tree
 
     def _pins(self, flat, names, tensors, static, kind, model: ir.Model, state: set[str]) -> set[tuple[int, int]]:
         """The dims this graph is pinned in: those exported static, and those a second
@@ -273,7 +328,7 @@ class GraphBuilding:
         pins = prove_dynamic_dims(tensors, static, signature_at, reference)
         return sorted(pins)
 
-    def _graph_from(self, model: ir.Model, meta: dict, output_tree: Any = None) -> BuiltGraph:
+    def _graph_from(self, model: ir.Model, meta: dict, output_tree: Any = None, report: Any = None) -> BuiltGraph:
         from ortpass.runtime.session import TrainingSession
         from ortpass.runtime.split_session import SplitTrainingSession
 
@@ -304,6 +359,7 @@ class GraphBuilding:
             batch_norms=[BatchNormUpdate(*entry) for entry in meta["batch_norms"]],
             output_spec=output_spec,
             output_leaves=[tuple(pair) for pair in meta["output_leaves"]],
+            report=report,
         )
 
 

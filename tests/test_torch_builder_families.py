@@ -1,0 +1,42 @@
+"""The torch builder on the Hugging Face families of the real-models suite: the training
+graph from torch's autograd (``ORTModule(builder="torch")``, what stock ``onnxruntime``
+gets), trained beside torch eager with batch size and sequence length changing every
+step, the loss from ``labels`` or computed in torch from the logits, and the default
+pipeline's post-grad passes applied (recompute among them).
+
+CI runs this file twice: with the training build, and in a venv holding only stock
+``onnxruntime`` (the ``stock`` marker).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from test_module_conformance import train_side_by_side  # noqa: E402
+from test_module_families import _batches, _model, loss_from_labels, loss_from_logits  # noqa: E402
+from test_real_models import FAMILIES  # noqa: E402
+
+from ortpass.runtime.module import ORTModule  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.stock]
+
+
+def _recomputed_nodes(wrapped: ORTModule) -> int:
+    """Nodes the recompute pass cloned into the graph the wrapper ran last."""
+    return wrapped.transitions.current_graph.report["recompute"].stats["counts"].get("nodes cloned", 0)
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_shapes_changing_every_step_train_like_torch(name):
+    wrapped = train_side_by_side(_model(name), loss_from_labels, _batches(FAMILIES[name].labels), builder="torch")
+    assert wrapped.graph_builds == 1, wrapped.transitions.transitions  # torch.export's dims: one graph
+    assert _recomputed_nodes(wrapped) > 0
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "bart"])
+def test_loss_computed_in_torch_from_the_logits(name):
+    wrapped = train_side_by_side(_model(name), loss_from_logits, _batches(FAMILIES[name].labels), builder="torch")
+    assert wrapped.transitions.current_graph.kind == "split"
