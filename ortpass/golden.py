@@ -55,6 +55,10 @@ class GoldenCase:
     draws the same masks.
     ``parity`` says whether ``update`` compares the step against torch eager (it cannot
     when randomness happens inside a PythonOp's torch code, for example).
+    ``builder="torch"`` builds the training graph from torch's autograd
+    (:func:`ortpass.training.build_training_graph_from_torch`, what stock onnxruntime
+    gets) instead of exporting; ``pipeline`` then holds the post-grad passes only, and the
+    bundled ``<name>.onnx`` is the built training graph they start from.
     """
 
     module: Any  # torch.nn.Module; typed loosely so this module imports without torch
@@ -66,6 +70,7 @@ class GoldenCase:
     seed: int = 0
     parity: bool = True
     description: str = ""
+    builder: str = "ort"
 
 
 @dataclasses.dataclass
@@ -112,16 +117,25 @@ def load_case(path: str | Path) -> GoldenCase:
 
 
 def run_case(case: GoldenCase) -> tuple[dict[str, Any], ir.Model, ir.Model]:
-    """Run the full path; return (record, exported forward model, final training graph)."""
+    """Run the full path; return (record, exported forward model (the built training graph
+    for the torch builder), final training graph)."""
     import torch
 
     import ortpass
     from ortpass.export import export
     from ortpass.runtime import TrainingSession
 
-    forward = export(case.module, case.args, input_names=case.input_names, dynamic_axes=case.dynamic_axes)
     recorder = _StageRecorder()
-    result = ortpass.pipeline(case.pipeline, instruments=[recorder])(forward)
+    if case.builder == "torch":
+        from ortpass.training.from_torch import build_training_graph_from_torch
+
+        forward = build_training_graph_from_torch(
+            case.module, case.args, input_names=case.input_names, dynamic_axes=case.dynamic_axes
+        )
+        result = ortpass.pipeline(case.pipeline, assume=["training-graph"], instruments=[recorder])(forward.clone())
+    else:
+        forward = export(case.module, case.args, input_names=case.input_names, dynamic_axes=case.dynamic_axes)
+        result = ortpass.pipeline(case.pipeline, instruments=[recorder])(forward)
     training = result.model
 
     session = TrainingSession(training)
@@ -130,6 +144,7 @@ def run_case(case: GoldenCase) -> tuple[dict[str, Any], ir.Model, ir.Model]:
     record = {
         "format": FORMAT_VERSION,
         "description": case.description,
+        **({"builder": case.builder} if case.builder != "ort" else {}),
         "pipeline": case.pipeline,
         "ops": {"export": _histogram(forward), **recorder.histograms},
         "passes": {r.name: _pass_summary(r) for r in result.report.records},

@@ -28,6 +28,15 @@ def test_golden_model_matches_its_expectations(name):
     assert result.ok, "\n".join(result.differences)
 
 
+@pytest.mark.slow
+@pytest.mark.stock
+def test_the_torch_builders_golden_model_holds_on_either_runtime():
+    """The torch builder's golden case needs no training build: on stock onnxruntime (CI's
+    second venv) its recorded step holds as on the training build."""
+    (result,) = golden.check(GOLDEN_DIR, ["gpt_decoder_torch"])
+    assert result.ok, "\n".join(result.differences)
+
+
 def test_compare_reports_each_difference_on_its_own_line():
     expected = {
         "ops": {"03 recompute": {"Gelu": 4, "Add": 2}},

@@ -38,6 +38,7 @@ import torch.utils._pytree as pytree
 from torch.export.graph_signature import InputKind
 
 from ortpass.errors import TrainingGraphError
+from ortpass.infra.metadata import update_export_info
 from ortpass.training.joint_onnx import joint_to_onnx, record_training_graph
 
 __all__ = ["build_training_graph_from_torch"]
@@ -105,10 +106,32 @@ def build_training_graph_from_torch(
     model = joint_to_onnx(program, [*names, *seed_names])
     inputs_by_arg = dict(zip(input_args, [*names, *seed_names]))
     info = record_training_graph(model, backward, output_args, inputs_by_arg, out_names, seed_names, loss_index, with_grad, _INNER)
+    _name_dims(model, names, args, dynamic_axes or {})
     logger.info(
         "built training graph from torch: %d nodes, %d gradients", len(model.graph), len(info.gradients)
     )
     return model
+
+
+def _name_dims(model: ir.Model, names: list[str], args: tuple, dynamic_axes) -> None:
+    """Give torch.export's symbols (``s23``) the names ``dynamic_axes`` gives them
+    (``batch``), or ``<input>_dim<axis>``, in every shape of the graph, and record each
+    name's size at ``args`` as ``ortpass.export`` does (the memory analyses read it)."""
+    renames: dict[str, str] = {}
+    sizes: dict[str, int] = {}
+    inputs = {v.name: v for v in model.graph.inputs}
+    for name, arg in zip(names, args):
+        axes = dynamic_axes.get(name, ())
+        given = axes if isinstance(axes, Mapping) else {}
+        for axis, dim in enumerate(inputs[name].shape or ()) if name in inputs else ():
+            if isinstance(dim, ir.SymbolicDim) and dim.value is not None and dim.value not in renames:
+                renames[dim.value] = given.get(axis, f"{name}_dim{axis}")
+                sizes[renames[dim.value]] = int(arg.shape[axis])
+    values = [*model.graph.inputs, *(v for node in model.graph for v in node.outputs)]
+    for value in values:
+        if value.shape is not None and any(isinstance(d, ir.SymbolicDim) and d.value in renames for d in value.shape):
+            value.shape = ir.Shape([ir.SymbolicDim(renames[d.value]) if isinstance(d, ir.SymbolicDim) and d.value in renames else d for d in value.shape])
+    update_export_info(model, dims=sizes)
 
 
 class _Joint(torch.nn.Module):

@@ -192,7 +192,7 @@ def read_forward_masks(model: ir.Model, standard_ops: bool | None = None) -> int
 def masks_read_where_redraws_differ(model: ir.Model) -> ir.Model:
     """``model``, or where the installed onnxruntime has no training ops, a copy whose
     backward Dropouts read their forward Dropout's mask (:func:`read_forward_masks`): on
-    stock onnxruntime (1.32, measured) a second Dropout with the same seed does not draw
+    stock onnxruntime (1.31.1, measured) a second Dropout with the same seed does not draw
     the same mask, even in one graph, so a recomputed Dropout would not match forward."""
     from ortpass.training.backend import has_training_ops
 
