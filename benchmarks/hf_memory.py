@@ -23,7 +23,14 @@ settings make every tensor an ``mmap``, which slows ORT far more than torch (LLa
 recompute: 2.48 s against 1.14 s; docs/design/ort-facts.md); its time is kept in the JSON
 as ``memory_run_step_seconds``.
 
-Usage: ``python benchmarks/hf_memory.py [--models gpt2 llama] [--seq 512] [--steps 6]``.
+The torch-builder rows (issue #33) build the training graph from torch's autograd
+(``build_training_graph_from_torch``) and run the default pipeline's post-grad passes;
+the stock row runs that graph in a child of ``--stock-python``, an environment holding
+stock ``onnxruntime`` (the README's ``.venv-stock``), with its recomputed Dropouts reading
+the forward masks as sessions do there.
+
+Usage: ``python benchmarks/hf_memory.py [--models gpt2 llama] [--seq 512] [--steps 6]
+[--stock-python .venv-stock/bin/python]``.
 Writes ``hf_memory[_seq<N>].json`` and ``.md`` next to this script (``_<model>`` added for
 one model alone).
 """
@@ -52,6 +59,8 @@ CONFIGS = [
     ("ortpass_fused", "ortpass default pipeline, fused attention", "ort-bridge"),
     ("ort_cpp", "ORT C++ path, no recompute", "ort-cpp"),
     ("ort_cpp_l1", "ORT 1.19.2 C++ memory optimizer, level 1", "ort-cpp"),
+    ("torch_builder", "ortpass, torch builder (training build)", "ort"),
+    ("torch_builder_stock", "ortpass, torch builder, stock onnxruntime", "ort-stock"),
     ("torch", "torch eager (SDPA)", "torch"),
     ("torch_ckpt", "torch eager + gradient_checkpointing_enable()", "torch"),
 ]
@@ -118,6 +127,7 @@ def child_prepare(work: Path, family: str, seq: int) -> dict:
     # and the large ones with it: the run records which of the two rows below that default is.
     auto = export(_loss_module(model), args, input_names=list(batch), fused_attention="auto")
     info["auto_fuses"] = any(node.op_type == "PythonOp" for node in auto.graph)
+    _prepare_torch_builder(work, model, args, list(batch), info)
     for key, fused in (("ortpass", False), ("ortpass_fused", True)):
         source = forward if not fused else export(_loss_module(model), args, input_names=list(batch), fused_attention=True)
         result = ortpass.pipeline(DEFAULT_PIPELINE)(source)
@@ -125,6 +135,27 @@ def child_prepare(work: Path, family: str, seq: int) -> dict:
         info["nodes"][key] = len(result.model.graph)
         info["recompute"][key] = result.report["recompute"].stats.get("counts", {})
     return info
+
+
+def _prepare_torch_builder(work: Path, model, args: tuple, names: list[str], info: dict) -> None:
+    """The graph stock onnxruntime runs: built from torch's autograd, then the default
+    pipeline's post-grad passes; saved as run on the training build and as on stock (where
+    recomputed Dropouts read the forward masks, ``masks_read_where_redraws_differ``)."""
+    import onnx_ir as ir
+
+    import ortpass
+    from ortpass.infra.pipeline_text import passes_of_phase
+    from ortpass.passes import DEFAULT_PIPELINE
+    from ortpass.training.from_torch import build_training_graph_from_torch
+    from ortpass.training.split import read_forward_masks
+
+    built = build_training_graph_from_torch(_loss_module(model), args, input_names=names)
+    result = ortpass.pipeline(passes_of_phase(DEFAULT_PIPELINE, "post-grad"), assume=["training-graph"])(built)
+    ir.save(result.model, work / "torch_builder.onnx")
+    info["nodes"]["torch_builder"] = len(result.model.graph)
+    info["recompute"]["torch_builder"] = result.report["recompute"].stats.get("counts", {})
+    read_forward_masks(result.model, standard_ops=True)
+    ir.save(result.model, work / "torch_builder_stock.onnx")
 
 
 def child_torch(work: Path, family: str, seq: int, key: str, steps: int) -> dict:
@@ -150,7 +181,9 @@ def child_torch(work: Path, family: str, seq: int, key: str, steps: int) -> dict
     return result
 
 
-def run(families: list[str], seq: int, steps: int, only: list[str] | None = None) -> dict:
+def run(families: list[str], seq: int, steps: int, only: list[str] | None = None, stock_python: str | None = None) -> dict:
+    """Measure every configuration; the stock rows only with ``stock_python`` (a Python whose
+    environment holds stock onnxruntime and ortpass)."""
     results: dict = {
         "model": {"layers": LAYERS, "hidden": HIDDEN, "heads": HEADS, "vocab": VOCAB, "batch": BATCH, "seq": seq,
                   "llama_mlp": LLAMA_MLP},
@@ -158,6 +191,7 @@ def run(families: list[str], seq: int, steps: int, only: list[str] | None = None
         "steps_timed": steps,
         "load_average_before": os.getloadavg(),
         "families": {},
+        "stock_onnxruntime": _child_version(stock_python) if stock_python else None,
     }
     for family in families:
         with tempfile.TemporaryDirectory(prefix=f"hf_memory_{family}_") as tmp:
@@ -168,16 +202,18 @@ def run(families: list[str], seq: int, steps: int, only: list[str] | None = None
                 entry["ort_cpp_plans"] = _child("ort-plans", str(work))
             entry["configs"] = {}
             for key, label, kind in CONFIGS:
-                if only and key not in only:
+                if (only and key not in only) or (kind == "ort-stock" and not stock_python):
                     continue
                 print(f"[{family}] {label}", flush=True)
                 if kind == "ort-cpp":
                     measured = _config("ort-cpp", str(work), str(steps), str(int(key == "ort_cpp_l1")))
+                elif kind == "ort-stock":
+                    measured = _config("ort", str(work), key, str(steps), "0", python=stock_python)
                 elif kind.startswith("ort"):
                     measured = _config("ort", str(work), key, str(steps), str(int(kind == "ort-bridge")))
                 else:
                     measured = _config("torch", str(work), family, str(seq), key, str(steps))
-                if kind in ("ort", "ort-cpp") and measured["torch_imported"]:
+                if kind in ("ort", "ort-cpp", "ort-stock") and measured["torch_imported"]:
                     raise RuntimeError(f"{key}: torch was imported in the ORT child; the memory would be wrong")
                 entry["configs"][key] = {"label": label, **measured}
                 print(f"    step peak {measured['step_peak_mib']:.0f} MiB, step {measured['step_seconds']:.2f} s", flush=True)
@@ -190,8 +226,16 @@ def _child(*args: str) -> dict:
     return rm._run_child(*args, script=__file__)
 
 
-def _config(*args: str) -> dict:
-    return rm._run_config(*args, script=__file__)
+def _config(*args: str, python: str | None = None) -> dict:
+    return rm._run_config(*args, script=__file__, python=python)
+
+
+def _child_version(python: str) -> str:
+    """The onnxruntime version ``python`` imports (the stock rows' runtime)."""
+    import subprocess
+
+    code = "import importlib.metadata as m; print(m.version('onnxruntime'))"
+    return subprocess.run([python, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
 
 
 def markdown(results: dict) -> str:
@@ -213,8 +257,8 @@ def markdown(results: dict) -> str:
     for key, label, _ in CONFIGS:
         cells = []
         for family in families:
-            cfg = results["families"][family]["configs"][key]
-            cells.append(f"{cfg['step_peak_mib']:.0f} / {cfg['step_seconds']:.2f}")
+            cfg = results["families"][family]["configs"].get(key)
+            cells.append(f"{cfg['step_peak_mib']:.0f} / {cfg['step_seconds']:.2f}" if cfg else "not run")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines.append("")
     for family in families:
@@ -235,7 +279,9 @@ def _goal(family: str, configs: dict) -> list[str]:
     level 1, step time at most 1.2x torch + checkpointing's."""
     ckpt, cpp = configs["torch_ckpt"], configs["ort_cpp_l1"]
     lines = []
-    for key in ("ortpass", "ortpass_fused"):
+    for key in ("ortpass", "ortpass_fused", "torch_builder", "torch_builder_stock"):
+        if key not in configs:
+            continue
         ours = configs[key]
         peak_ok = ours["step_peak_mib"] <= ckpt["step_peak_mib"] and ours["step_peak_mib"] < cpp["step_peak_mib"]
         ratio = ours["step_seconds"] / ckpt["step_seconds"]
@@ -269,10 +315,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--models", nargs="+", default=["gpt2", "llama"], choices=["gpt2", "llama"])
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--stock-python", default=str(HERE.parent / ".venv-stock" / "bin" / "python"),
+                        help="a Python whose environment holds stock onnxruntime and ortpass, for the stock rows "
+                        "(default: the README's .venv-stock; rows skipped when it does not exist)")
     parser.add_argument("--only", nargs="+", choices=[key for key, _, _ in CONFIGS],
                         help="run these configurations only; prints them and records nothing")
     args = parser.parse_args(argv)
-    results = run(args.models, args.seq, args.steps, args.only)
+    stock_python = args.stock_python if Path(args.stock_python).exists() else None
+    results = run(args.models, args.seq, args.steps, args.only, stock_python)
     if args.only:
         return
     stem = "hf_memory" if args.seq == 512 else f"hf_memory_seq{args.seq}"

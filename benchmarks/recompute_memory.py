@@ -377,15 +377,16 @@ def child_torch(work: Path, key: str, layers: int, steps: int) -> dict:
 # -- the parent (standard library only) -----------------------------------------------------------
 
 
-def _run_child(*args: str, script: str = __file__, timing: bool = False) -> dict:
-    """Run ``script --child ARGS`` in a fresh process; its last stdout line is JSON.  A
-    ``timing`` run uses the settings a user runs, not the memory run's (module docstring)."""
+def _run_child(*args: str, script: str = __file__, timing: bool = False, python: str | None = None) -> dict:
+    """Run ``script --child ARGS`` in a fresh process (of ``python``, default this one); its
+    last stdout line is JSON.  A ``timing`` run uses the settings a user runs, not the
+    memory run's (module docstring)."""
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     env.pop("MALLOC_MMAP_THRESHOLD_", None)
     env.pop("ORTPASS_BENCH_TIMING", None)
     env.update({"ORTPASS_BENCH_TIMING": "1"} if timing else {"MALLOC_MMAP_THRESHOLD_": "65536"})
     proc = subprocess.run(
-        [sys.executable, str(Path(script).resolve()), "--child", *args],
+        [python or sys.executable, str(Path(script).resolve()), "--child", *args],
         env=env,
         capture_output=True,
         text=True,
@@ -395,12 +396,12 @@ def _run_child(*args: str, script: str = __file__, timing: bool = False) -> dict
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _run_config(*args: str, script: str = __file__) -> dict:
+def _run_config(*args: str, script: str = __file__, python: str | None = None) -> dict:
     """One configuration in two fresh processes: its step peak from a memory run, its step
     times from a timing run (the memory run's fastest step is kept as
     ``memory_run_step_seconds``)."""
-    memory = _run_child(*args, script=script)
-    timing = _run_child(*args, script=script, timing=True)
+    memory = _run_child(*args, script=script, python=python)
+    timing = _run_child(*args, script=script, timing=True, python=python)
     times = {key: timing[key] for key in ("step_seconds", "step_seconds_median", "step_seconds_all")}
     return {**memory, **times, "memory_run_step_seconds": memory["step_seconds"]}
 
