@@ -266,6 +266,16 @@ def child_ort_plans(work: Path) -> dict:
     return {"plans": plans, "torch_imported": "torch" in sys.modules}
 
 
+def _disabled(path: Path) -> list[str]:
+    """What TrainingSession disables for this graph (``ortpass.runtime.session.disabled_optimizers``:
+    ORT_DISABLED_OPTIMIZERS, and more on some graphs)."""
+    import onnx_ir as ir
+
+    from ortpass.runtime.session import disabled_optimizers
+
+    return disabled_optimizers(ir.load(path))
+
+
 def child_ort(work: Path, key: str, steps: int, bridge: bool = False) -> dict:
     """One step of ``<key>.onnx`` in a plain session; ``bridge``: the graph holds PythonOps,
     so ortpass's torch bridge (and torch) are loaded before the session is made."""
@@ -285,7 +295,7 @@ def child_ort(work: Path, key: str, steps: int, bridge: bool = False) -> dict:
     optimized = work / f"{key}.optimized.onnx"
     options.optimized_model_filepath = str(optimized)
     session = InferenceSession(
-        str(work / f"{key}.onnx"), options, providers=["CPUExecutionProvider"], disabled_optimizers=ORT_DISABLED_OPTIMIZERS
+        str(work / f"{key}.onnx"), options, providers=["CPUExecutionProvider"], disabled_optimizers=_disabled(work / f"{key}.onnx")
     )
     feeds = dict(np.load(work / "batch.npz"))
     fetch = [o.name for o in session.get_outputs()]

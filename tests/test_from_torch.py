@@ -70,7 +70,9 @@ def test_loss_graph_is_standard_onnx_recorded_like_orts_and_trains_like_torch():
     assert info.loss == "loss" and model.metadata_props[BUILDER_KEY] == "torch"
     assert set(info.params) == {n for n, _ in module.named_parameters()}
     assert info.gradients == {p: f"{p}_grad" for p in info.params}
-    assert "loss_grad" in model.graph.initializers  # the loss's seed, ones, as ORT's builder names it
+    # Backward starts from the value ORT's builder names so, ones, read after the loss.
+    seed = next(v for node in model.graph for v in node.outputs if v.name == "loss_grad")
+    assert seed.producer().op_type == "Where" and "loss_grad_ones" in model.graph.initializers
     assert all(is_onnx_domain(node.domain) for node in model.graph)  # nothing stock onnxruntime lacks
     partition = get_partition(model)
     assert partition.forward and partition.backward and partition.stashed

@@ -22,6 +22,8 @@ Differences from ORT 1.19.2's table, on purpose:
   forward's shape instead, which is the same value;
 - Erf is accepted: it is element-wise and cheap, and torch exports the exact Gelu through
   it (ORT's table needs no Erf because ORT fuses that pattern into a Gelu op first);
+- Tanh, Pow and Sigmoid are accepted, for the same reason in the torch builder's graphs
+  (GPT-2's tanh Gelu, ``0.5 * x * (1 + tanh(c * (x + 0.044715 * x ** 3)))``, SiLU);
 - IsNaN is accepted: element-wise and cheap, and torch's SDPA export guards every
   attention softmax with ``Where(IsNaN(p), 0, p)``;
 - And, Or, Not, Greater, GreaterOrEqual and LessOrEqual are accepted: element-wise on
@@ -308,6 +310,15 @@ def _register_defaults() -> None:
         # Div/Erf/Add/Mul/Mul, and without Erf the chain fails and keeps Gelu's largest
         # intermediate (4 x hidden per token) alive in every layer.
         ("Erf", (9, 13), basic, ()),
+        # Not in ORT's table: the torch builder writes GPT-2's tanh Gelu out, and its
+        # backward reads the Tanh: without Tanh and Pow, 16 MiB per layer stayed stashed
+        # (hidden 256, batch 8 x 512).  ORT fuses that pattern into FastGelu first.
+        ("Tanh", (6, 13), basic, ()),
+        # Not in ORT's table, for the same graphs: that Gelu's x ** 3, and RMSNorm's x ** 2.
+        ("Pow", (7, 12, 13, 15), basic, ()),
+        # Not in ORT's table: SiLU written out (x * sigmoid(x), LLaMA's MLP in the torch
+        # builder's graphs; ORT fuses it into QuickGelu first): 16 MiB per layer stashed.
+        ("Sigmoid", (6, 13), basic, ()),
         # Not in ORT's table: torch's SDPA export guards the softmax with
         # Where(IsNaN(p), 0, p); without IsNaN the bool mask and the float probabilities it
         # reads were both stashed in every attention layer.  Element-wise and cheap.

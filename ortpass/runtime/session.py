@@ -1,14 +1,12 @@
 """Run one training step of a training graph on ONNX Runtime.
 
-The training build's plain ``InferenceSession`` runs a forward+backward graph: feed the
-batch and the parameters, fetch the loss and ``<param>_grad``.  Two things are set on
-every session:
+A plain ``InferenceSession`` runs a forward+backward graph: feed the batch and the
+parameters, fetch the loss and ``<param>_grad``.  Set on every session:
 
 - ORT's CommonSubexpressionElimination is disabled.  It merges a recompute clone
   (``Gelu(h) -> a_recompute``) back into its original, silently, undoing RecomputePass
-  (measured on 1.19.2; docs/design/ort-facts.md).  Training graphs from
-  ``build_training_graph`` have had ORT's own pre-training transformers already, so
-  little is lost.
+  (measured on 1.19.2; docs/design/ort-facts.md).  ORT's builder ran ORT's own
+  pre-training transformers already, so little is lost.
 - SkipLayerNormFusion is disabled too: after recompute, a residual ``Add`` whose only
   forward consumer is a LayerNormalization gets fused, and the fused node drops the
   LayerNorm's Mean/InvStdDev outputs that backward reads (measured on 1.19.2).
@@ -18,9 +16,9 @@ every session:
 - GemmTransposeFusion is disabled: it replaces weight-gradient Gemms, which produce graph
   outputs, by new nodes that ORT's default order visits first; that order then defers
   every other gradient output (bias ReduceSums) to the end of the step and keeps their
-  inputs alive (see ``ortpass.passes.recompute``, execution order).
-- The log level is "error": the training graph keeps parameters both as inputs and
-  initializers (overridable defaults), about which ORT warns once per parameter.
+  inputs alive (``ortpass.passes.recompute``).  On the torch builder's graphs, whose weight
+  gradients are ``MatMul(Transpose(x), dY)``, MatmulTransposeFusion too (779 -> 337 MiB).
+- The log level is "error": ORT warns once per parameter kept as input and initializer.
 """
 
 from __future__ import annotations
@@ -36,7 +34,7 @@ import onnx
 import onnx_ir as ir
 
 from ortpass.analysis.partition import get_training_info
-from ortpass.conventions import REPLAY_OF_KEY, SIDE_KEY, is_onnx_domain
+from ortpass.conventions import BUILDER_KEY, REPLAY_OF_KEY, SIDE_KEY, is_onnx_domain
 from ortpass.errors import OrtpassError
 from ortpass.io import load
 from ortpass.training.build import clamp_for_ort
@@ -190,8 +188,7 @@ class TrainingSession:
 
 
 def training_model(model: ir.Model | str | os.PathLike) -> ir.Model:
-    """``model`` itself, or the model saved at that path: sessions take either (with the
-    masks read where this onnxruntime redraws another: ``masks_read_where_redraws_differ``)."""
+    """``model``, or the model saved at that path (``masks_read_where_redraws_differ``)."""
     if isinstance(model, (ir.Model, str, os.PathLike)):
         return masks_read_where_redraws_differ(model if isinstance(model, ir.Model) else load(model))
     kind = f"{type(model).__module__}.{type(model).__qualname__}"
@@ -258,10 +255,13 @@ def _check_gradient_shapes(gradients: Mapping[str, np.ndarray], params: Mapping[
 
 
 def disabled_optimizers(model: ir.Model) -> list[str]:
-    """The ORT graph transformers a session over ``model`` must not run."""
+    """The ORT graph transformers a session over ``model`` must not run (the torch builder's
+    graphs: also MatmulTransposeFusion, docs/design/torch-builder.md)."""
     names = list(DISABLED_ORT_OPTIMIZERS)
     if any(REPLAY_OF_KEY in node.metadata_props for node in model.graph):
         names += REPLAY_DISABLED_ORT_OPTIMIZERS
+    if model.metadata_props.get(BUILDER_KEY) == "torch":
+        names.append("MatmulTransposeFusion")
     return names
 
 
