@@ -280,12 +280,15 @@ class GraphBuilding:
 
         dynamic = {n: [a for a in range(t.dim()) if (i, a) not in static] for i, (n, t) in enumerate(zip(names, tensors))}
         traced = [t.detach().requires_grad_(t.requires_grad) for t in tensors]
+
+        def found_loss() -> bool:  # FlatCall puts a loss it finds first (known once it ran)
+            return any(kind == "loss" for _, kind in flat.output_leaves)
+
         with export_side_effects_undone(self.module), checkpointing_disabled(self.module, self._notice_checkpointing):
             model = build_training_graph_from_torch(
-                flat, traced, input_names=names, dynamic_axes=dynamic,
-                loss=lambda outputs: 0 if any(k == "loss" for _, k in flat.output_leaves) else None,
-            )  # fmt: skip
-        has_loss = any(k == "loss" for _, k in flat.output_leaves)
+                flat, traced, input_names=names, dynamic_axes=dynamic, loss=lambda _: 0 if found_loss() else None
+            )
+        has_loss = found_loss()
         outputs = [v.name for v in model.graph.outputs[: len(flat.requires_grad)]]
         post_grad = passes_of_phase(self.pipeline, "post-grad")
         report = None
