@@ -97,7 +97,7 @@ def build_training_graph_from_torch(
     joint = _Joint(module, len(args), loss_index, with_grad)
     seed_dynamic = tuple({a: torch.export.Dim.AUTO for a in range(s.dim())} or None for s in seeds)
     program = _joint_program(joint, (*args, *seeds), (*dynamic, *seed_dynamic))
-    backward = program.graph_signature.backward_signature  # read before _to_onnx changes the kinds
+    backward = program.graph_signature.backward_signature  # read before joint_to_onnx changes the kinds
     output_args = [spec.arg.name for spec in program.graph_signature.output_specs]
     # The backward signature names an input by AOTAutograd's placeholder, arg<k>_1, k its
     # position among all of the program's inputs.
