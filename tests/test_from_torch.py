@@ -223,3 +223,18 @@ def test_saved_and_loaded_the_graph_keeps_its_record(tmp_path):
     loaded = ir.load(tmp_path / "train.onnx")
     assert get_training_info(loaded) == get_training_info(model)
     assert len(get_partition(loaded).backward) == len(get_partition(model).backward)
+
+
+def test_ortmodule_torch_builder_with_frozen_and_eval_blocks_trains_like_torch():
+    """A frozen block gets no gradient, an eval block keeps its mode; batch and sequence
+    change every step, on one graph."""
+    from test_module_conformance import train_side_by_side
+
+    torch.manual_seed(0)
+    module = GPTDecoder(vocab=32, hidden=16, heads=2, layers=2, max_seq=16, dropout=0.0)
+    module.blocks[0].requires_grad_(False)
+    module.blocks[1].eval()
+    batches = [torch.randint(0, 32, shape, generator=torch.Generator().manual_seed(k)) for k, shape in enumerate([(2, 8), (3, 7), (4, 8)])]
+    wrapped = train_side_by_side(module, lambda model, ids: model(ids, ids.roll(-1, 1)), batches, builder="torch")
+    assert wrapped.graph_builds == 1
+    assert all(p.grad is None for p in module.blocks[0].parameters())
