@@ -1,0 +1,245 @@
+"""Softmax cross-entropy over a vocabulary projection, written in ai.onnx ops, one slice of
+the vocabulary at a time: no node ever holds more than ``rows x chunk`` logits.
+
+For hidden rows ``h`` (``N x H``), a head weight ``W`` (``V x H``, or ``H x V``) and labels
+``y``, with ``valid = y != ignore_index``:
+
+    loss = reduce_{valid rows}( logsumexp_j(h W_j) - h . W_y )        (mean or sum)
+
+Forward computes ``lse_c = logsumexp(h W_c^T)`` for each slice ``c`` of the vocabulary and
+combines them with one more logsumexp; the target logit ``h . W_y`` comes from the label's
+own row of ``W``.  Backward recomputes each slice's logits and forms its part of the
+gradient of the logits, ``g * (exp(l_c - lse) - onehot_c)`` with ``g`` the loss's gradient
+(divided by the valid count for a mean, zero on ignored rows), then ``dh += p_c W_c`` and
+``dW_c = p_c^T h``; ``dW`` is the concatenation of the slices.
+
+ORT runs a node when its depth-first walk from the graph's leaves reaches it
+(``docs/design/ort-execution-order.md``), and ONNX has no control edge.  So each backward
+slice starts from a token of the slice before (``Where(false, token, start)`` on its
+``Slice`` start), and the token reads both that slice's weight gradient and the running
+``dh``: whichever output ORT needs first, it computes the slices in order, each slice's
+``N x chunk`` tensors freed before the next begins.
+
+A label that is neither ``ignore_index`` nor in ``[0, V)`` fails in ``Gather`` with the
+index named, as ``SoftmaxCrossEntropyLoss`` fails on it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Literal
+
+import numpy as np
+import onnx_ir as ir
+
+from ortpass.analysis.partition import tag
+from ortpass.graph.names import NameAllocator
+
+__all__ = ["ChunkedLossValues", "HeadLoss", "vocab_slices", "write_chunked_loss"]
+
+# ReduceLogSumExp and ReduceSum take their axes as an input from these opsets on.
+_REDUCE_SUM_AXES_INPUT_OPSET = 13
+_REDUCE_AXES_INPUT_OPSET = 18
+
+
+def vocab_slices(vocab: int, chunk: int) -> list[tuple[int, int]]:
+    """``(start, stop)`` of each slice of ``range(vocab)``, ``chunk`` wide (the last one narrower)."""
+    if chunk < 1:
+        raise ValueError(f"chunk must be at least 1, got {chunk}")
+    return [(start, min(start + chunk, vocab)) for start in range(0, vocab, chunk)]
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadLoss:
+    """What the chunked loss reads: ``hidden`` rows (rank 2, ``rows x H``), the head weight
+    ``weight`` (``V x H`` when ``weight_rows_are_vocab``, else ``H x V``), int64 or int32
+    ``labels`` (rank 1), the loss's gradient ``loss_grad`` (a scalar), and the head's
+    ``bias`` (``V``) if it has one."""
+
+    hidden: ir.Value
+    rows: int | ir.SymbolicDim
+    weight: ir.Value
+    weight_rows_are_vocab: bool
+    vocab: int
+    labels: ir.Value
+    ignore_index: int | None
+    reduction: Literal["mean", "sum"]
+    loss_grad: ir.Value
+    dtype: ir.DataType
+    bias: ir.Value | None = None  # the head's bias, rank 1 (vocabulary)
+    bias_trains: bool = False  # whether to compute the bias's gradient
+
+
+@dataclasses.dataclass
+class ChunkedLossValues:
+    """The nodes written (forward, then backward, each in execution order) and the values
+    that replace the old ones: ``loss``, ``hidden_grad`` (``N x H``), ``weight_grad``
+    (the weight's layout) and ``bias_grad`` (``1 x V``, None without a bias)."""
+
+    forward: list[ir.Node]
+    backward: list[ir.Node]
+    loss: ir.Value
+    hidden_grad: ir.Value
+    weight_grad: ir.Value
+    bias_grad: ir.Value | None = None
+
+
+class _Writer:
+    """Appends named, tagged nodes to one side's list."""
+
+    def __init__(self, names: NameAllocator, prefix: str, opset: int) -> None:
+        self.names, self.prefix, self.opset = names, prefix, opset
+        self.side: Literal["forward", "backward"] = "forward"
+        self.sides: dict[str, list[ir.Node]] = {"forward": [], "backward": []}
+
+    def op(
+        self, op_type: str, inputs: Sequence[ir.Value | None], attributes: dict | None = None, *, name: str,
+        shape: Sequence | None = None, dtype: ir.DataType | None = None,
+    ) -> ir.Value:  # fmt: skip
+        """One node; ``shape`` and ``dtype`` recorded on its output (the analyses that run
+        later size stashed values from them)."""
+        node = ir.node(op_type, list(inputs), attributes or {}, name=self.names.fresh(f"{self.prefix}/{name}"))
+        out = node.outputs[0]
+        out.name = self.names.fresh(f"{node.name}_output")
+        if shape is not None:
+            out.shape = ir.Shape(list(shape))
+        out.dtype = dtype
+        self.sides[self.side].append(tag(node, self.side))
+        return out
+
+    def const(self, array: np.ndarray, name: str) -> ir.Value:
+        return self.op("Constant", [], {"value": ir.tensor(array)}, name=name, shape=array.shape, dtype=ir.DataType.from_numpy(array.dtype))
+
+    def ints(self, values: Sequence[int], name: str) -> ir.Value:
+        return self.const(np.array(values, dtype=np.int64), name)
+
+    def reduce(self, op_type: str, x: ir.Value, axes: Sequence[int] | None, name: str) -> ir.Value:
+        """``op_type`` over ``axes`` (kept, as size 1) or over every axis (None: a scalar),
+        the axes given as the model's opset wants them."""
+        if axes is None:
+            return self.op(op_type, [x], {"keepdims": 0}, name=name, shape=[], dtype=x.dtype)
+        shape = [1 if i in axes else d for i, d in enumerate(x.shape)]
+        as_input_from = _REDUCE_SUM_AXES_INPUT_OPSET if op_type == "ReduceSum" else _REDUCE_AXES_INPUT_OPSET
+        if self.opset >= as_input_from:
+            return self.op(op_type, [x, self.ints(axes, f"{name}_axes")], {"keepdims": 1}, name=name, shape=shape, dtype=x.dtype)
+        return self.op(op_type, [x], {"axes": list(axes), "keepdims": 1}, name=name, shape=shape, dtype=x.dtype)
+
+
+def write_chunked_loss(head: HeadLoss, chunk: int, names: NameAllocator, *, prefix: str, opset: int) -> ChunkedLossValues:
+    """Write the forward and backward of the chunked loss (see the module docstring)."""
+    w = _Writer(names, prefix, opset)
+    n, f, i64, b = head.rows, head.dtype, ir.DataType.INT64, ir.DataType.BOOL
+    hidden_size = head.weight.shape[1 if head.weight_rows_are_vocab else 0]
+    column, rows_by_hidden = [n, 1], [n, hidden_size]
+    zero = w.const(np.array(0, dtype=f.numpy()), "zero")
+    labels = head.labels
+    if labels.dtype != i64:
+        labels = w.op("Cast", [labels], {"to": i64}, name="labels_int64", shape=[n], dtype=i64)
+    label_column = w.op("Unsqueeze", [labels, w.ints([1], "column_axis")], name="label_column", shape=column, dtype=i64)
+    if head.ignore_index is None:
+        valid = w.op("Equal", [label_column, label_column], name="valid", shape=column, dtype=b)
+    else:
+        ignored = w.op("Equal", [label_column, w.ints([head.ignore_index], "ignore_index")], name="ignored", shape=column, dtype=b)
+        valid = w.op("Not", [ignored], name="valid", shape=column, dtype=b)
+    target = w.op("Where", [valid, label_column, w.ints([0], "row_zero")], name="target", shape=column, dtype=i64)
+    # A negative label left here would index from the end: send it past the end, where Gather refuses it.
+    negative = w.op("Less", [target, w.ints([0], "index_zero")], name="negative_label", shape=column, dtype=b)
+    checked = w.op("Where", [negative, w.ints([head.vocab], "vocab_size"), target], name="checked_label", shape=column, dtype=i64)
+    flat_checked = w.op("Squeeze", [checked, w.ints([1], "squeeze_axis")], name="checked_label_flat", shape=[n], dtype=i64)
+    vocab_axis = 0 if head.weight_rows_are_vocab else 1
+    if head.weight_rows_are_vocab:
+        target_rows = w.op("Gather", [head.weight, flat_checked], {"axis": 0}, name="target_weights", shape=rows_by_hidden, dtype=f)
+    else:
+        gathered = w.op("Gather", [head.weight, flat_checked], {"axis": 1}, name="target_weights", shape=[hidden_size, n], dtype=f)
+        target_rows = w.op("Transpose", [gathered], {"perm": [1, 0]}, name="target_weights_rows", shape=rows_by_hidden, dtype=f)
+    products = w.op("Mul", [head.hidden, target_rows], name="target_products", shape=rows_by_hidden, dtype=f)
+    target_logit = w.reduce("ReduceSum", products, [1], "target_logit")
+    if head.bias is not None:
+        target_bias = w.op("Gather", [head.bias, checked], {"axis": 0}, name="target_bias", shape=column, dtype=f)
+        target_logit = w.op("Add", [target_logit, target_bias], name="target_logit_biased", shape=column, dtype=f)
+    trans_b = int(head.weight_rows_are_vocab)
+
+    def weight_slice(begin: ir.Value, start: int, stop: int, index: int) -> ir.Value:
+        shape = [stop - start, hidden_size] if head.weight_rows_are_vocab else [hidden_size, stop - start]
+        inputs = [head.weight, begin, w.ints([stop], f"stop{index}"), w.ints([vocab_axis], f"slice_axis{index}")]
+        return w.op("Slice", inputs, name=f"weight{index}", shape=shape, dtype=f)
+
+    def bias_slice(begin: ir.Value, start: int, stop: int, index: int) -> ir.Value | None:
+        if head.bias is None:
+            return None
+        inputs = [head.bias, begin, w.ints([stop], f"bias_stop{index}"), w.ints([0], f"bias_axis{index}")]
+        return w.op("Slice", inputs, name=f"bias{index}", shape=[stop - start], dtype=f)
+
+    def logits_of(weight: ir.Value, bias: ir.Value | None, width: int, name: str) -> ir.Value:
+        inputs = [head.hidden, weight] if bias is None else [head.hidden, weight, bias]
+        return w.op("Gemm", inputs, {"transB": trans_b}, name=name, shape=[n, width], dtype=f)
+
+    slices = vocab_slices(head.vocab, chunk)
+    pieces = []
+    for i, (start, stop) in enumerate(slices):
+        begin = w.ints([start], f"start{i}")
+        logits = logits_of(weight_slice(begin, start, stop, i), bias_slice(begin, start, stop, i), stop - start, f"logits{i}")
+        pieces.append(w.reduce("ReduceLogSumExp", logits, [1], f"logsumexp{i}"))
+    lse = pieces[0]
+    if len(pieces) > 1:
+        joined = w.op("Concat", pieces, {"axis": 1}, name="slice_logsumexps", shape=[n, len(pieces)], dtype=f)
+        lse = w.reduce("ReduceLogSumExp", joined, [1], "logsumexp")
+    row_nll = w.op("Sub", [lse, target_logit], name="row_nll", shape=column, dtype=f)
+    row_losses = w.op("Where", [valid, row_nll, zero], name="row_losses", shape=column, dtype=f)
+    total = w.reduce("ReduceSum", row_losses, None, "total")
+    valid_rows = w.op("Cast", [valid], {"to": f}, name="valid_rows", shape=column, dtype=f)
+    count = w.reduce("ReduceSum", valid_rows, None, "valid_count")
+    loss = w.op("Div", [total, count], name="mean", shape=[], dtype=f) if head.reduction == "mean" else total
+
+    w.side = "backward"
+    scale = head.loss_grad
+    if head.reduction == "mean":
+        scale = w.op("Div", [head.loss_grad, count], name="row_scale", shape=[], dtype=f)
+    row_grad = w.op("Where", [valid, scale, zero], name="row_grad", shape=column, dtype=f)
+    never = w.const(np.array(False), "never")
+    hidden_grad: ir.Value | None = None
+    token: ir.Value | None = None
+    weight_grads, bias_grads = [], []
+    for i, (start, stop) in enumerate(slices):
+        width, wide = stop - start, [n, stop - start]
+        begin = w.ints([start], f"grad_start{i}")
+        if token is not None:  # this slice starts after the one before: see the module docstring
+            as_index = w.op("Cast", [token], {"to": i64}, name=f"token{i}", shape=[], dtype=i64)
+            begin = w.op("Where", [never, as_index, begin], name=f"after_slice{i}", shape=[1], dtype=i64)
+        weight = weight_slice(begin, start, stop, i)
+        logits = logits_of(weight, bias_slice(begin, start, stop, i), width, f"logits_again{i}")
+        shifted = w.op("Sub", [logits, lse], name=f"shifted{i}", shape=wide, dtype=f)
+        probs = w.op("Exp", [shifted], name=f"probs{i}", shape=wide, dtype=f)
+        scaled = w.op("Mul", [probs, row_grad], name=f"scaled{i}", shape=wide, dtype=f)
+        range_ends = [w.const(np.array(x, dtype=np.int64), f"range_{what}{i}") for what, x in (("start", 0), ("stop", width), ("step", 1))]
+        columns = w.op("Range", range_ends, name=f"columns{i}", shape=[width], dtype=i64)
+        local = w.op("Sub", [target, w.ints([start], f"offset{i}")], name=f"local_label{i}", shape=column, dtype=i64)
+        hit = w.op("Equal", [local, columns], name=f"is_label{i}", shape=wide, dtype=b)
+        minus_one = w.op("Sub", [scaled, row_grad], name=f"minus_one{i}", shape=wide, dtype=f)
+        logits_grad = w.op("Where", [hit, minus_one, scaled], name=f"logits_grad{i}", shape=wide, dtype=f)
+        part = w.op("Gemm", [logits_grad, weight], {"transB": 1 - trans_b}, name=f"hidden_grad_part{i}", shape=rows_by_hidden, dtype=f)
+        if hidden_grad is not None:
+            part = w.op("Add", [hidden_grad, part], name=f"hidden_grad{i}", shape=rows_by_hidden, dtype=f)
+        hidden_grad = part
+        if head.weight_rows_are_vocab:
+            piece = w.op("Gemm", [logits_grad, head.hidden], {"transA": 1}, name=f"weight_grad{i}", shape=[width, hidden_size], dtype=f)
+        else:
+            piece = w.op("Gemm", [head.hidden, logits_grad], {"transA": 1}, name=f"weight_grad{i}", shape=[hidden_size, width], dtype=f)
+        weight_grads.append(piece)
+        sums = [w.reduce("ReduceSum", piece, None, f"weight_grad_sum{i}"), w.reduce("ReduceSum", hidden_grad, None, f"hidden_grad_sum{i}")]
+        if head.bias is not None and head.bias_trains:
+            bias_grads.append(w.reduce("ReduceSum", logits_grad, [0], f"bias_grad{i}"))  # 1 x width
+            sums.append(w.reduce("ReduceSum", bias_grads[-1], None, f"bias_grad_sum{i}"))
+        token = sums[0]
+        for j, more in enumerate(sums[1:]):
+            token = w.op("Add", [token, more], name=f"slice_done{i}_{j}", shape=[], dtype=f)
+    assert hidden_grad is not None and token is not None  # vocab_slices gives at least one slice
+    hidden_grad = w.op("Where", [never, token, hidden_grad], name="hidden_grad", shape=rows_by_hidden, dtype=f)
+    weight_grad = weight_grads[0]
+    if len(weight_grads) > 1:
+        weight_grad = w.op("Concat", weight_grads, {"axis": vocab_axis}, name="weight_grad", shape=list(head.weight.shape), dtype=f)
+    bias_grad = None
+    if bias_grads:
+        bias_grad = bias_grads[0] if len(bias_grads) == 1 else w.op("Concat", bias_grads, {"axis": 1}, name="bias_grad", shape=[1, head.vocab], dtype=f)
+    return ChunkedLossValues(w.sides["forward"], w.sides["backward"], loss, hidden_grad, weight_grad, bias_grad)

@@ -1,0 +1,347 @@
+"""Never hold the full logits: compute the LM head and its softmax cross-entropy one slice of
+the vocabulary at a time, in forward and in backward.
+
+At a real vocabulary the logits dominate a language model's step: GPT-2's (vocabulary
+50257) are 196 MiB at batch 2 x 512, LLaMA-3's (128256) 501 MiB, and the loss's log
+probabilities and the logits' gradient are as large again.  Recompute per layer cannot
+touch them.  This pass replaces the head projection, the loss and their gradients with the
+chunked loss of :mod:`ortpass.ops.chunked_cross_entropy` (ai.onnx ops only, so it runs on
+stock onnxruntime too): ``rows x chunk`` logits at a time, the vocabulary's slices
+recomputed in backward.  The same idea as Liger-Kernel's fused linear cross-entropy and
+Cut Cross-Entropy, written as a graph rewrite.
+
+Rule.  A ``SoftmaxCrossEntropyLoss`` (ai.onnx, or ORT's ``...Internal``) ``L`` whose loss is
+the training graph's loss is rewritten when all of:
+
+1. ``reduction`` is ``mean`` or ``sum``, there are no class weights, ``ignore_index`` is known;
+2. its logits come from ``MatMul(h, B)`` or ``Gemm(h, B)`` (no bias, no ``transA``, alpha 1),
+   through at most one ``Reshape`` to rows x vocabulary; ``B`` is ``Transpose(W)`` (read by
+   nothing else in forward) or a weight itself; the weight's shape is static;
+3. the logits and log probabilities are read by nothing but the loss and backward;
+4. the vocabulary is wider than one chunk;
+5. the backward nodes that compute from the loss's gradient, the logits and the log
+   probabilities (with the head's inputs and constants) hand exactly the gradient of ``h``
+   and, when the weight trains, the gradient of the weight to the rest of the graph.
+
+Those forward and backward nodes are removed; the chunked loss's values take their
+readers (graph outputs keep their names).  Runs after the gradient build and before
+``accumulate-gradients-early`` (a tied weight's head part is then the slices'
+concatenation) and ``recompute``.  Statistics: ``losses chunked``, ``losses skipped``;
+notes ``chunked`` (loss, vocabulary, slices, chunk) and ``skipped`` (loss, reason).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import onnx_ir as ir
+
+from ortpass.analysis.partition import (
+    get_training_info,
+    is_backward,
+    is_training_graph,
+    tag,
+)
+from ortpass.analysis.region_gradients import (
+    RegionGradientError,
+    gradients_handed_on,
+    region_backward,
+)
+from ortpass.conventions import is_onnx_domain
+from ortpass.graph.names import NameAllocator
+from ortpass.infra.base import OrtPass
+from ortpass.infra.registry import register_pass
+from ortpass.ops.chunked_cross_entropy import HeadLoss, write_chunked_loss
+from ortpass.ops.sce_loss import (
+    LABEL_TYPES,
+    is_sce_loss,
+    sce_ignore_index,
+    sce_reduction,
+)
+
+__all__ = ["DEFAULT_CHUNK_BYTES", "ChunkLmHeadLossPass"]
+
+logger = logging.getLogger(__name__)
+
+#: Logits bytes of one slice when the rows are known: 32 MiB (see ``_chunk_columns``).
+DEFAULT_CHUNK_BYTES = 32 * 1024 * 1024
+# The slice width when the row count is symbolic, and the granularity of any width.
+_SYMBOLIC_ROWS_CHUNK = 8192
+_CHUNK_GRANULE = 256
+_FLOAT_TYPES = frozenset({ir.DataType.FLOAT, ir.DataType.DOUBLE})
+
+
+class _Skip(Exception):
+    """A loss that is not rewritten, and why."""
+
+
+@dataclasses.dataclass
+class _Match:
+    loss: ir.Node
+    region: list[ir.Node]  # forward: [Transpose], head, [Reshape], loss
+    backward: list[ir.Node]  # the loss's backward, in graph order
+    head: HeadLoss
+    hidden_3d: ir.Value | None  # the head's input when it is not already rows x hidden
+    hidden_grad: ir.Value  # the gradient of the head's input, as the builder wrote it
+    weight_grad: ir.Value | None
+    bias_grad: ir.Value | None
+
+
+@register_pass("chunk-lm-head-loss")
+class ChunkLmHeadLossPass(OrtPass):
+    """Replace the LM head, its softmax cross-entropy and their gradients by a loss computed
+    one vocabulary slice at a time (see the module docstring for the rule).
+
+    ``chunk``: the slice width in vocabulary columns; default: as many columns as make
+    :data:`DEFAULT_CHUNK_BYTES` of logits at the graph's row count (8192 when the rows are
+    symbolic), a multiple of 256.
+    """
+
+    phase = "post-grad"
+    runs_before = frozenset({"accumulate-gradients-early", "recompute"})
+
+    def __init__(self, *, chunk: int | None = None) -> None:
+        super().__init__()
+        if chunk is not None and chunk < 1:
+            raise ValueError(f"chunk must be a positive number of vocabulary columns, got {chunk}")
+        self.chunk = chunk
+
+    def __repr__(self) -> str:
+        return f"ChunkLmHeadLossPass(chunk={self.chunk})"
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        if not is_training_graph(model):
+            return ir.passes.PassResult(model, modified=False)
+        info = get_training_info(model)
+        matches = []
+        for node in model.graph:
+            if not is_sce_loss(node, model):
+                continue
+            try:
+                matches.append(self._match(model, node, info.loss))
+            except _Skip as why:
+                self.count("losses skipped")
+                self.note("skipped", {"loss": node.name, "reason": str(why)})
+                logger.debug("not chunking %s: %s", node.name, why)
+        for match in matches:  # every check passed before the first edit
+            self._rewrite(model, match)
+        return ir.passes.PassResult(model, modified=bool(matches))
+
+    # -- matching ---------------------------------------------------------------------------
+    def _match(self, model: ir.Model, loss: ir.Node, loss_name: str | None) -> _Match:
+        reduction, ignore_index = _loss_settings(loss, loss_name)
+        logits_rows, labels = loss.inputs[0], loss.inputs[1]
+        if labels is None or labels.dtype not in LABEL_TYPES or labels.shape is None or labels.shape.rank() != 1:
+            raise _Skip("labels are not a rank-1 tensor of class indices")
+        if logits_rows.shape is None or logits_rows.shape.rank() != 2:
+            raise _Skip("the loss's logits are not rank 2 with a known shape")
+        reshape = logits_rows.producer()
+        logits = logits_rows
+        if reshape is not None and reshape.op_type == "Reshape":
+            logits = reshape.inputs[0]
+        else:
+            reshape = None
+        head, bias_add, bias = _head_of(logits)
+        hidden, projection = head.inputs[0], head.inputs[1]
+        weight, rows_are_vocab, transpose = self._weight_of(head, projection)
+        if weight.shape is None or not weight.shape.is_static() or weight.shape.rank() != 2:
+            raise _Skip("the head weight's shape is not static and rank 2")
+        vocab = weight.shape[0 if rows_are_vocab else 1]
+        dtype = hidden.dtype if hidden is not None else None
+        if dtype not in _FLOAT_TYPES or weight.dtype != dtype or (bias is not None and bias.dtype != dtype):
+            raise _Skip(f"the head computes in {dtype}; float32 and float64 are handled")
+        if bias is not None and (bias.shape is None or list(bias.shape) not in ([vocab], [1, vocab])):
+            raise _Skip("the head's bias is not one value per vocabulary entry")
+        if hidden.shape is None or (hidden.shape.rank() != 2 and reshape is None):
+            raise _Skip("the head's input is not rows x hidden and no Reshape flattens the logits")
+        rows = logits_rows.shape[0]
+        chunk = self.chunk or _chunk_columns(rows, dtype)
+        if vocab <= chunk:
+            raise _Skip(f"vocabulary {vocab} fits one chunk of {chunk} columns")
+        region = [n for n in (transpose, head, bias_add, reshape, loss) if n is not None]
+        seed = _value_named(model.graph, f"{loss_name}_grad")
+        if seed is None:
+            raise _Skip(f"the loss's gradient {loss_name}_grad is not in the graph")
+        operands = [v for v in (hidden, weight, bias) if v is not None]
+        try:
+            backward = region_backward(model.graph, region, seed, {*operands, labels}, operands)
+            handed = gradients_handed_on(region, backward, operands)
+        except RegionGradientError as why:
+            raise _Skip(str(why)) from None
+        loss_head = HeadLoss(
+            hidden=hidden, rows=rows, weight=weight, weight_rows_are_vocab=rows_are_vocab, vocab=vocab, labels=labels,
+            ignore_index=ignore_index, reduction=reduction, loss_grad=seed, dtype=dtype, bias=bias,
+            bias_trains=handed[2] is not None,
+        )  # fmt: skip
+        return _Match(loss, region, backward, loss_head, hidden if hidden.shape.rank() != 2 else None, *handed)
+
+    @staticmethod
+    def _weight_of(head: ir.Node, projection: ir.Value | None) -> tuple[ir.Value, bool, ir.Node | None]:
+        """The head weight, whether its rows are the vocabulary, and the Transpose between."""
+        if projection is None:
+            raise _Skip("the head has no weight input")
+        trans_b = head.attributes.get_int("transB", 0) if head.op_type == "Gemm" else 0
+        producer = projection.producer()
+        if trans_b == 0 and producer is not None and producer.op_type == "Transpose":
+            perm = producer.attributes.get_ints("perm", None)
+            perm = None if perm is None else list(perm)
+            forward_readers = [n for n, _ in projection.uses() if not is_backward(n)]
+            if perm in (None, [1, 0]) and forward_readers == [head] and not projection.is_graph_output():
+                return producer.inputs[0], True, producer
+        return projection, bool(trans_b), None
+
+    # -- rewriting --------------------------------------------------------------------------
+    def _rewrite(self, model: ir.Model, match: _Match) -> None:
+        graph, head = model.graph, match.head
+        names = NameAllocator.of_graph(graph)
+        prefix = names.fresh(f"{match.loss.name or 'loss'}_chunked")
+        forward, backward = _NodeWriter(names, prefix, "forward"), _NodeWriter(names, prefix, "backward")
+        hidden_size = head.weight.shape[1 if head.weight_rows_are_vocab else 0]
+        if match.hidden_3d is not None:
+            rows = forward.reshape(match.hidden_3d, forward.ints([-1, hidden_size]), [head.rows, hidden_size], head.dtype, "rows")
+            head = dataclasses.replace(head, hidden=rows)
+        if head.bias is not None and head.bias.shape.rank() == 2:
+            head = dataclasses.replace(head, bias=forward.reshape(head.bias, forward.ints([head.vocab]), [head.vocab], head.dtype, "bias_flat"))
+        chunk = self.chunk or _chunk_columns(head.rows, head.dtype)
+        written = write_chunked_loss(head, chunk, names, prefix=prefix, opset=model.opset_imports.get("", 17))
+        hidden_grad, bias_grad = written.hidden_grad, written.bias_grad
+        if match.hidden_3d is not None:
+            shape_of = backward.add(ir.node("Shape", [match.hidden_3d]), "hidden_shape")
+            hidden_grad = backward.reshape(hidden_grad, shape_of, match.hidden_3d.shape, head.dtype, "hidden_grad_3d")
+        if match.bias_grad is not None and bias_grad is not None:
+            bias_grad = backward.reshape(bias_grad, backward.ints(list(match.bias_grad.shape)), match.bias_grad.shape, head.dtype, "bias_grad_as_bias")
+        # Backward goes where the loss's backward starts after the loss (the builder writes
+        # some of its Shape reads among the forward nodes).
+        position = {node: i for i, node in enumerate(graph)}
+        start = next(n for n in match.backward if position[n] > position[match.loss])
+        graph.insert_before(match.loss, [*forward.nodes, *written.forward])
+        graph.insert_before(start, [*written.backward, *backward.nodes])
+        for old, new in ((match.loss.outputs[0], written.loss), (match.hidden_grad, hidden_grad),
+                         (match.weight_grad, written.weight_grad), (match.bias_grad, bias_grad)):  # fmt: skip
+            if old is not None:
+                _take_over(old, new)
+        _remove_with_feeders(graph, [*match.backward, *reversed(match.region)])
+        self.count("losses chunked")
+        slices = -(-head.vocab // chunk)
+        self.note("chunked", {"loss": match.loss.name, "vocab": head.vocab, "slices": slices, "chunk": chunk})
+        logger.info("%s: the head and loss run in %d vocabulary slices of %d", match.loss.name, slices, chunk)
+
+
+class _NodeWriter:
+    """The few nodes around the chunked loss that reshape its inputs and gradients."""
+
+    def __init__(self, names: NameAllocator, prefix: str, side: str) -> None:
+        self.names, self.prefix, self.side = names, prefix, side
+        self.nodes: list[ir.Node] = []
+
+    def add(self, node: ir.Node, name: str) -> ir.Value:
+        node.name = self.names.fresh(f"{self.prefix}/{name}")
+        node.outputs[0].name = self.names.fresh(f"{node.name}_output")
+        self.nodes.append(tag(node, self.side))  # type: ignore[arg-type]
+        return node.outputs[0]
+
+    def ints(self, values: list[int]) -> ir.Value:
+        return self.add(ir.node("Constant", [], {"value": ir.tensor(values, dtype=ir.DataType.INT64)}), "shape")
+
+    def reshape(self, x: ir.Value, shape: ir.Value, dims, dtype: ir.DataType, name: str) -> ir.Value:
+        out = self.add(ir.node("Reshape", [x, shape]), name)
+        out.shape, out.dtype = ir.Shape(list(dims)), dtype
+        return out
+
+
+def _loss_settings(loss: ir.Node, loss_name: str | None) -> tuple[str, int | None]:
+    """The loss's reduction and ignore_index, when the pass can rewrite it."""
+    reduction = sce_reduction(loss)
+    if reduction not in ("mean", "sum"):
+        raise _Skip(f"reduction {reduction!r}: only mean and sum keep the loss a scalar")
+    if loss_name is None or loss.outputs[0].name != loss_name:
+        raise _Skip("not the training graph's loss")
+    if len(loss.inputs) > 2 and loss.inputs[2] is not None:
+        raise _Skip("class weights")
+    if loss.op_type == "SoftmaxCrossEntropyLoss":
+        return reduction, loss.attributes.get_int("ignore_index", None)
+    ignore_index, reason = sce_ignore_index(loss)
+    if ignore_index is None:
+        raise _Skip(reason)
+    return reduction, ignore_index
+
+
+def _head_of(logits: ir.Value | None) -> tuple[ir.Node, ir.Node | None, ir.Value | None]:
+    """The MatMul or Gemm the logits come from, the Add of its bias, and the bias."""
+    node = logits.producer() if logits is not None else None
+    if node is not None and node.op_type == "Add" and is_onnx_domain(node.domain):
+        for product, bias in (node.inputs, reversed(node.inputs)):
+            head = product.producer() if product is not None else None
+            if head is None or head.op_type not in ("MatMul", "Gemm") or not _is_weight_like(bias):
+                continue
+            if [n for n, _ in product.uses() if not is_backward(n)] == [node] and not product.is_graph_output():
+                return _checked_head(head), node, bias
+    if node is None or node.op_type not in ("MatMul", "Gemm") or not is_onnx_domain(node.domain):
+        found = "a graph input" if node is None else node.op_type
+        raise _Skip(f"the logits come from {found}, not a MatMul or Gemm (with or without an Add of a bias)")
+    gemm_bias = node.inputs[2] if node.op_type == "Gemm" and len(node.inputs) > 2 else None
+    return _checked_head(node), None, gemm_bias
+
+
+def _checked_head(head: ir.Node) -> ir.Node:
+    if head.op_type == "Gemm":
+        a = head.attributes
+        if a.get_int("transA", 0) or a.get_float("alpha", 1.0) != 1.0 or a.get_float("beta", 1.0) != 1.0:
+            raise _Skip("the head Gemm transposes or scales its input or bias")
+        if len(head.inputs) > 2 and head.inputs[2] is not None and not _is_weight_like(head.inputs[2]):
+            raise _Skip("the head Gemm adds a computed tensor")
+    return head
+
+
+def _is_weight_like(value: ir.Value | None) -> bool:
+    """A parameter, buffer or constant: no node but a Constant computes it."""
+    if value is None:
+        return False
+    producer = value.producer()
+    return producer is None or producer.op_type == "Constant"
+
+
+def _chunk_columns(rows: int | ir.SymbolicDim, dtype: ir.DataType) -> int:
+    """Columns that make DEFAULT_CHUNK_BYTES of logits at ``rows`` (a static count), else 8192."""
+    if not isinstance(rows, int):
+        return _SYMBOLIC_ROWS_CHUNK
+    columns = DEFAULT_CHUNK_BYTES // max(1, rows * dtype.bitwidth // 8)
+    return max(_CHUNK_GRANULE, columns // _CHUNK_GRANULE * _CHUNK_GRANULE)
+
+
+def _value_named(graph: ir.Graph, name: str) -> ir.Value | None:
+    for value in graph.inputs:
+        if value.name == name:
+            return value
+    if name in graph.initializers:
+        return graph.initializers[name]
+    for node in graph:
+        for out in node.outputs:
+            if out.name == name:
+                return out
+    return None
+
+
+def _take_over(old: ir.Value, new: ir.Value) -> None:
+    """``new`` takes ``old``'s readers, and its place and name among the graph outputs."""
+    was_output, name = old.is_graph_output(), old.name
+    ir.convenience.replace_all_uses_with(old, new, replace_graph_outputs=True)
+    if was_output:
+        old.name = None
+        new.name = name
+
+
+def _remove_with_feeders(graph: ir.Graph, removed: list[ir.Node]) -> None:
+    """Remove ``removed``, then what fed only them (the Reshapes the builder wrote from the
+    head's input for the old gradients), walking up from their inputs."""
+    frontier = [v.producer() for node in removed for v in node.inputs if v is not None]
+    graph.remove(removed, safe=True)
+    while frontier:
+        node = frontier.pop()
+        if node is None or node.graph is not graph:
+            continue
+        if any(out.uses() or out.is_graph_output() for out in node.outputs):
+            continue
+        frontier.extend(v.producer() for v in node.inputs if v is not None)
+        graph.remove(node, safe=True)

@@ -1,0 +1,234 @@
+"""ChunkLmHeadLossPass: the LM head and its cross-entropy one vocabulary slice at a time.
+
+Both directions (fires / does not fire, with the reason), parity with torch eager on ORT
+(loss and every gradient), no value as wide as the full logits left in the graph, ORT's
+real execution order finishing each slice before the next, and bad labels refused as
+``SoftmaxCrossEntropyLoss`` refuses them.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+import torch
+
+import ortpass
+from ortpass.analysis.partition import get_training_info
+from ortpass.export import export
+from ortpass.passes import DEFAULT_PIPELINE, ChunkLmHeadLossPass
+from ortpass.runtime import TrainingSession
+from ortpass.runtime.parity import check_parity
+from ortpass.testing.profiling import ort_execution_order
+from ortpass.training import build_training_graph
+
+VOCAB, HIDDEN, BATCH, SEQ, CHUNK = 50, 16, 2, 8, 16  # 4 slices, the last 2 wide
+IGNORE = -100
+
+
+class TinyLM(torch.nn.Module):
+    """Embedding, one layer, a head and cross-entropy.  ``head``: "tied" (the embedding's
+    weight, GPT-2), "linear" (its own ``nn.Linear``, LLaMA), "hidden_by_vocab" (a
+    ``hidden x vocab`` parameter used as is)."""
+
+    def __init__(self, head: str = "tied", reduction: str = "mean", label_smoothing: float = 0.0, logits_out: bool = False):
+        super().__init__()
+        self.head_kind, self.reduction, self.label_smoothing, self.logits_out = head, reduction, label_smoothing, logits_out
+        self.emb = torch.nn.Embedding(VOCAB, HIDDEN)
+        self.fc = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.norm = torch.nn.LayerNorm(HIDDEN)
+        self.linear = torch.nn.Linear(HIDDEN, VOCAB, bias=False) if head == "linear" else None
+        self.by_vocab = torch.nn.Parameter(torch.randn(HIDDEN, VOCAB) * 0.2) if head == "hidden_by_vocab" else None
+
+    def forward(self, ids, labels):
+        h = self.norm(torch.tanh(self.fc(self.emb(ids))))
+        if self.head_kind == "tied":
+            logits = h @ self.emb.weight.T
+        elif self.head_kind == "linear":
+            logits = self.linear(h)
+        else:
+            logits = h @ self.by_vocab
+        loss = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=IGNORE, reduction=self.reduction,
+            label_smoothing=self.label_smoothing,
+        )  # fmt: skip
+        return (loss, logits) if self.logits_out else loss
+
+
+def _args(padded: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
+    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
+    if padded:
+        labels[:, -3:] = IGNORE
+    return ids, labels
+
+
+def _training(module: torch.nn.Module, args=None) -> ir.Model:
+    torch.manual_seed(0)
+    args = args or _args()
+    return build_training_graph(export(module, args, input_names=["ids", "labels"]))
+
+
+def _chunked(module: torch.nn.Module, chunk: int | None = CHUNK) -> tuple[ir.Model, ChunkLmHeadLossPass]:
+    pass_ = ChunkLmHeadLossPass(chunk=chunk)
+    return pass_(_training(module)).model, pass_
+
+
+def _widest_float_value(model: ir.Model) -> int:
+    """The largest last dim among float values with a row dim (rank >= 2) in the graph."""
+    widths = [
+        v.shape[-1] for n in model.graph for v in n.outputs
+        if v.dtype == ir.DataType.FLOAT and v.shape is not None and v.shape.rank() >= 2 and isinstance(v.shape[-1], int)
+        and not (isinstance(v.shape[0], int) and v.shape[0] in (HIDDEN, VOCAB))  # weights and their gradients
+    ]  # fmt: skip
+    return max(widths)
+
+
+@pytest.mark.parametrize("head", ["tied", "linear", "hidden_by_vocab"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_chunked_step_matches_torch_and_holds_no_full_logits(head, reduction):
+    torch.manual_seed(0)
+    module = TinyLM(head, reduction)
+    model, pass_ = _chunked(module)
+    assert pass_.stats["counts"]["losses chunked"] == 1
+    assert pass_.stats["notes"]["chunked"][0]["slices"] == 4
+    ops = {n.op_type for n in model.graph}
+    assert not ops & {"SoftmaxCrossEntropyLoss", "SoftmaxCrossEntropyLossGrad"}
+    assert _widest_float_value(model) == CHUNK  # never rows x vocab
+    check_parity(module, _args(), model, input_names=["ids", "labels"]).assert_ok()
+
+
+def test_the_gradient_outputs_keep_their_names():
+    module = TinyLM("linear")
+    before = get_training_info(_training(module))
+    model, _ = _chunked(module)
+    assert get_training_info(model) == before
+    assert {v.name for v in model.graph.outputs} >= set(before.gradients.values())
+
+
+def test_the_default_pipeline_with_chunking_matches_torch_and_the_unchunked_step():
+    torch.manual_seed(0)
+    module = TinyLM("tied")
+    forward = export(module, _args(), input_names=["ids", "labels"])
+    pipeline = DEFAULT_PIPELINE.replace("build-training-graph,", f"build-training-graph,chunk-lm-head-loss(chunk={CHUNK}),")
+    chunked = ortpass.pipeline(pipeline)(forward).model
+    plain = ortpass.pipeline(DEFAULT_PIPELINE)(forward).model
+    check_parity(module, _args(), chunked, input_names=["ids", "labels"]).assert_ok()
+    batch = dict(zip(["ids", "labels"], (a.numpy() for a in _args())))
+    a, b = TrainingSession(plain).run(batch), TrainingSession(chunked).run(batch)
+    np.testing.assert_allclose(a.loss, b.loss, rtol=1e-6)
+    for name, gradient in a.gradients.items():
+        np.testing.assert_allclose(b.gradients[name], gradient, rtol=1e-5, atol=1e-7, err_msg=name)
+
+
+def test_ort_finishes_each_slice_before_starting_the_next(tmp_path):
+    model, _ = _chunked(TinyLM("tied"))
+    batch = dict(zip(["ids", "labels"], (a.numpy() for a in _args())))
+    order = ort_execution_order(model, batch, tmp_path)
+    prefix = next(n.name for n in model.graph if n.name.endswith("/logits_again0")).removesuffix("logits_again0")
+    at = {name: i for i, name in enumerate(order)}
+    for i in range(3):
+        # slice i's tensors are all read before slice i + 1's logits exist
+        done = max(at[f"{prefix}{what}{i}"] for what in ("weight_grad", "hidden_grad_part", "logits_grad"))
+        assert done < at[f"{prefix}logits_again{i + 1}"], i
+    forward = sorted(range(4), key=lambda i: at[f"{prefix}logits{i}"])
+    for first, then in itertools.pairwise(forward):  # forward too: one slice's logits at a time
+        assert at[f"{prefix}logsumexp{first}"] < at[f"{prefix}logits{then}"], (first, then)
+
+
+def test_default_chunk_leaves_a_small_vocabulary_alone():
+    model, pass_ = _chunked(TinyLM("tied"), chunk=None)
+    assert "losses chunked" not in pass_.stats.get("counts", {})
+    (skip,) = pass_.stats["notes"]["skipped"]
+    assert "fits one chunk" in skip["reason"]
+    assert any(n.op_type == "SoftmaxCrossEntropyLoss" for n in model.graph)
+
+
+@pytest.mark.parametrize(
+    ("module", "reason"),
+    [
+        (TinyLM("tied", reduction="none"), "reduction"),
+        (TinyLM("tied", logits_out=True), "read outside the loss"),
+    ],
+    ids=["reduction-none", "logits-returned"],
+)
+def test_does_not_fire_and_says_why(module, reason):
+    if module.reduction == "none":
+        module.forward = _summed(module.forward)
+    _, pass_ = _chunked(module)
+    assert not pass_.stats.get("counts", {}).get("losses chunked")
+    assert any(reason in s["reason"] for s in pass_.stats["notes"]["skipped"]), pass_.stats
+
+
+def _summed(forward):
+    def call(ids, labels):
+        return forward(ids, labels).sum()
+
+    return call
+
+
+def test_label_smoothing_is_refused_at_export():
+    """torch.onnx's exporter refuses a smoothed cross-entropy, so it never reaches the pass."""
+    with pytest.raises(ortpass.errors.ExportError, match="label_smoothing"):
+        _training(TinyLM("tied", label_smoothing=0.1))
+
+
+class ZLossLM(TinyLM):
+    """Cross-entropy plus a z-loss on the logits' logsumexp (PaLM's auxiliary loss), written
+    out: ORT 1.19.2's gradient of ReduceLogSumExp writes an invalid Unsqueeze at opset 13+."""
+
+    def forward(self, ids, labels):
+        loss, logits = TinyLM.forward(self, ids, labels)
+        return loss + 1e-2 * torch.log(torch.exp(logits).sum(dim=-1)).pow(2).mean()
+
+
+def test_a_z_loss_leaves_the_loss_unchunked():
+    """The cross-entropy is then one term of the training loss, and the logits are read by
+    the other: the pass leaves both alone."""
+    torch.manual_seed(0)
+    module = ZLossLM("tied", logits_out=True)
+    model, pass_ = _chunked(module)
+    assert not pass_.stats.get("counts", {}).get("losses chunked")
+    assert [s["reason"] for s in pass_.stats["notes"]["skipped"]] == ["not the training graph's loss"]
+    check_parity(module, _args(), model, input_names=["ids", "labels"]).assert_ok()
+
+
+@pytest.mark.parametrize("bad", [VOCAB + 3, -5])
+def test_a_label_outside_the_vocabulary_fails_as_in_torch(bad):
+    """torch refuses such a label; ORT 1.19.2's SoftmaxCrossEntropyLoss returns a loss
+    without a word (measured: 8.92 for label 53 of 50).  The chunked loss refuses it in the
+    Gather of the label's weight row, the index named."""
+    module = TinyLM("tied")
+    model, _ = _chunked(module)
+    ids, labels = _args()
+    labels[0, 0] = bad
+    with pytest.raises(IndexError, match="out of bounds"):
+        module(ids, labels)
+    with pytest.raises(Exception, match=f"idx={VOCAB if bad < 0 else bad} must be within"):
+        TrainingSession(model).run({"ids": ids.numpy(), "labels": labels.numpy()})
+
+
+def test_all_labels_ignored_gives_torchs_nan_loss_and_zero_gradients():
+    """torch's mean over no label is NaN; ORT's SoftmaxCrossEntropyLoss gives 0."""
+    module = TinyLM("tied")
+    model, _ = _chunked(module)
+    ids, labels = _args()
+    labels[:] = IGNORE
+    assert torch.isnan(module(ids, labels))
+    result = TrainingSession(model).run({"ids": ids.numpy(), "labels": labels.numpy()})
+    assert np.isnan(result.loss)
+    for name, gradient in result.gradients.items():
+        assert not np.any(gradient), name
+
+
+def test_the_default_chunk_holds_32_mib_of_logits_at_the_graphs_rows():
+    from ortpass.passes.chunk_lm_head_loss import _chunk_columns
+
+    assert _chunk_columns(1024, ir.DataType.FLOAT) == 8192  # GPT-2, batch 2 x 512
+    assert _chunk_columns(4096, ir.DataType.FLOAT) == 2048
+    assert _chunk_columns(4096, ir.DataType.DOUBLE) == 1024
+    assert _chunk_columns(10**6, ir.DataType.FLOAT) == 256  # never narrower
+    assert _chunk_columns(ir.SymbolicDim("rows"), ir.DataType.FLOAT) == 8192
