@@ -231,4 +231,7 @@ def test_the_default_chunk_holds_32_mib_of_logits_at_the_graphs_rows():
     assert _chunk_columns(4096, ir.DataType.FLOAT) == 2048
     assert _chunk_columns(4096, ir.DataType.DOUBLE) == 1024
     assert _chunk_columns(10**6, ir.DataType.FLOAT) == 256  # never narrower
-    assert _chunk_columns(ir.SymbolicDim("rows"), ir.DataType.FLOAT) == 8192
+    assert _chunk_columns(ir.SymbolicDim("rows"), ir.DataType.FLOAT) == 8192  # no dims to count them
+    rows = ir.SymbolicDim("batch*seq")  # the export's dims count symbolic rows
+    assert _chunk_columns(rows, ir.DataType.FLOAT, {"batch": 2, "seq": 2048}) == 2048
+    assert _chunk_columns(rows, ir.DataType.FLOAT, {"batch": 2}) == 8192

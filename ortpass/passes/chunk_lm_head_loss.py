@@ -37,6 +37,7 @@ import logging
 
 import onnx_ir as ir
 
+from ortpass.analysis.memory import dim_expr, evaluate
 from ortpass.analysis.partition import (
     get_training_info,
     is_backward,
@@ -51,6 +52,7 @@ from ortpass.analysis.region_gradients import (
 from ortpass.conventions import is_onnx_domain
 from ortpass.graph.names import NameAllocator
 from ortpass.infra.base import OrtPass
+from ortpass.infra.metadata import get_export_info
 from ortpass.infra.registry import register_pass
 from ortpass.ops.chunked_cross_entropy import HeadLoss, write_chunked_loss
 from ortpass.ops.sce_loss import (
@@ -82,6 +84,7 @@ class _Match:
     region: list[ir.Node]  # forward: [Transpose], head, [Reshape], loss
     backward: list[ir.Node]  # the loss's backward, in graph order
     head: HeadLoss
+    chunk: int
     hidden_3d: ir.Value | None  # the head's input when it is not already rows x hidden
     hidden_grad: ir.Value  # the gradient of the head's input, as the builder wrote it
     weight_grad: ir.Value | None
@@ -94,8 +97,8 @@ class ChunkLmHeadLossPass(OrtPass):
     one vocabulary slice at a time (see the module docstring for the rule).
 
     ``chunk``: the slice width in vocabulary columns; default: as many columns as make
-    :data:`DEFAULT_CHUNK_BYTES` of logits at the graph's row count (8192 when the rows are
-    symbolic), a multiple of 256.
+    :data:`DEFAULT_CHUNK_BYTES` of logits at the graph's row count (symbolic rows counted
+    at the export's dims; 8192 when there are none), a multiple of 256.
     """
 
     phase = "post-grad"
@@ -156,7 +159,7 @@ class ChunkLmHeadLossPass(OrtPass):
         if hidden.shape is None or (hidden.shape.rank() != 2 and reshape is None):
             raise _Skip("the head's input is not rows x hidden and no Reshape flattens the logits")
         rows = logits_rows.shape[0]
-        chunk = self.chunk or _chunk_columns(rows, dtype)
+        chunk = self.chunk or _chunk_columns(rows, dtype, get_export_info(model).get("dims"))
         if vocab <= chunk:
             raise _Skip(f"vocabulary {vocab} fits one chunk of {chunk} columns")
         region = [n for n in (transpose, head, bias_add, reshape, loss) if n is not None]
@@ -174,7 +177,7 @@ class ChunkLmHeadLossPass(OrtPass):
             ignore_index=ignore_index, reduction=reduction, loss_grad=seed, dtype=dtype, bias=bias,
             bias_trains=handed[2] is not None,
         )  # fmt: skip
-        return _Match(loss, region, backward, loss_head, hidden if hidden.shape.rank() != 2 else None, *handed)
+        return _Match(loss, region, backward, loss_head, chunk, hidden if hidden.shape.rank() != 2 else None, *handed)
 
     @staticmethod
     def _weight_of(head: ir.Node, projection: ir.Value | None) -> tuple[ir.Value, bool, ir.Node | None]:
@@ -203,7 +206,7 @@ class ChunkLmHeadLossPass(OrtPass):
             head = dataclasses.replace(head, hidden=rows)
         if head.bias is not None and head.bias.shape.rank() == 2:
             head = dataclasses.replace(head, bias=forward.reshape(head.bias, forward.ints([head.vocab]), [head.vocab], head.dtype, "bias_flat"))
-        chunk = self.chunk or _chunk_columns(head.rows, head.dtype)
+        chunk = match.chunk
         written = write_chunked_loss(head, chunk, names, prefix=prefix, opset=model.opset_imports.get("", 17))
         hidden_grad, bias_grad = written.hidden_grad, written.bias_grad
         if match.hidden_3d is not None:
@@ -302,9 +305,12 @@ def _is_weight_like(value: ir.Value | None) -> bool:
     return producer is None or producer.op_type == "Constant"
 
 
-def _chunk_columns(rows: int | ir.SymbolicDim, dtype: ir.DataType) -> int:
-    """Columns that make DEFAULT_CHUNK_BYTES of logits at ``rows`` (a static count), else 8192."""
+def _chunk_columns(rows: int | ir.SymbolicDim, dtype: ir.DataType, dims: dict[str, int] | None = None) -> int:
+    """Columns that make DEFAULT_CHUNK_BYTES of logits at ``rows``: a static count, or a
+    symbolic one at the export's ``dims``; else 8192."""
     if not isinstance(rows, int):
+        rows = evaluate(dim_expr(rows, unknown_name="rows"), dims) if dims else None
+    if rows is None:
         return _SYMBOLIC_ROWS_CHUNK
     columns = DEFAULT_CHUNK_BYTES // max(1, rows * dtype.bitwidth // 8)
     return max(_CHUNK_GRANULE, columns // _CHUNK_GRANULE * _CHUNK_GRANULE)
