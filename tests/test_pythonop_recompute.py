@@ -257,3 +257,18 @@ def test_level_1_recomputes_the_attention_function_with_identical_gradients(flas
     assert got.loss == expected.loss
     for name, grad in expected.gradients.items():
         np.testing.assert_array_equal(got.gradients[name], grad, err_msg=name)
+
+
+def test_ortmodule_cache_registers_the_derived_functions_of_a_loaded_graph(training_graph):
+    """ORTModule's cache loads a recomputed fused-attention graph in a fresh process, where
+    nothing registered the RNG-replaying Functions; the cache registers them itself."""
+    from ortpass.pythonop.registry import unregister_function
+    from ortpass.runtime.module import cache
+
+    model = _recompute(training_graph, _pythonop_plan(training_graph))
+    names = rng_replay.register_rng_replay_functions(model)
+    for name in names:
+        unregister_function(bridge.registered_functions()[name])
+    assert not any(name in bridge.registered_functions() for name in names)  # as in a fresh process
+    cache._register_own_functions(model)
+    assert all(name in bridge.registered_functions() for name in names)

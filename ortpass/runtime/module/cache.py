@@ -82,13 +82,17 @@ def load_cached(cache_dir: Path, material: dict) -> tuple[ir.Model, dict] | None
 
 
 def _register_own_functions(model: ir.Model) -> None:
-    """A loaded graph may call ortpass's own density Function; nothing else is registered."""
+    """A loaded graph may call ortpass's own Functions: the density flag, and the RNG-replaying
+    Functions recompute derives for a recomputed PythonOp (fused attention); nothing else
+    is registered."""
     from ortpass.pythonop import bridge
+    from ortpass.pythonop.rng_replay import register_rng_replay_functions
 
     if any("FlagAndPrintDensity" in name for name in bridge.pythonop_func_names(model)):
         from ortpass.export.density import FlagAndPrintDensity
 
         bridge.register_function(FlagAndPrintDensity)
+    register_rng_replay_functions(model)
 
 
 def store_cached(cache_dir: Path, material: dict, model: ir.Model, meta: dict) -> None:
