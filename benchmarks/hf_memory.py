@@ -33,6 +33,10 @@ Usage: ``python benchmarks/hf_memory.py [--models gpt2 llama] [--seq 512] [--ste
 [--stock-python .venv-stock/bin/python]``.
 Writes ``hf_memory[_seq<N>].json`` and ``.md`` next to this script (``_<model>`` added for
 one model alone).
+
+``--real-width [--seq 512|2048] [--models gpt2 llama] [--steps N] [--only KEY ...]`` runs
+``hf_memory_real_width.py`` instead: GPT-2 small and a LLaMA with LLaMA-3's vocabulary at
+real width, ORTModule against torch + checkpointing and Cut Cross-Entropy (issue #35).
 """
 
 from __future__ import annotations
@@ -310,6 +314,11 @@ def main(argv: list[str] | None = None) -> None:
         else:
             out = child_torch(path, rest[0], int(rest[1]), rest[2], int(rest[3]))
         print(json.dumps(out))
+        return
+    if "--real-width" in argv:  # its own script, arguments and record (module docstring)
+        import hf_memory_real_width
+
+        hf_memory_real_width.main([a for a in argv if a != "--real-width"])
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["gpt2", "llama"], choices=["gpt2", "llama"])

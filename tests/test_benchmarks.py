@@ -151,3 +151,43 @@ def test_onnxscript_optimize_times_both_graphs_of_the_small_decoder():
     assert without["step_ms_median"] > 0 and with_["step_ms_median"] > 0
     table = bench.to_markdown([result], steps=1).splitlines()
     assert sum(line.startswith("| small (32 hidden, 2 layers) |") for line in table) == 1
+
+
+def test_remove_pass_drops_a_named_pass_with_or_without_options():
+    real_width = _load("hf_memory_real_width")
+    spec = "a,recompute(level=1, plans=['x', 'y']),b"
+    assert real_width.remove_pass(spec, "recompute") == "a,b"
+    assert real_width.remove_pass(spec, "a") == "recompute(level=1, plans=['x', 'y']),b"
+    assert real_width.remove_pass(spec, "b") == "a,recompute(level=1, plans=['x', 'y'])"
+    with pytest.raises(ValueError, match="no pass 'c'"):
+        real_width.remove_pass(spec, "c")
+
+
+def test_hf_memory_dispatches_real_width_to_its_own_script(monkeypatch):
+    hf_memory = _load("hf_memory")
+    calls = []
+    stub = type(sys)("hf_memory_real_width")
+    stub.main = calls.append
+    monkeypatch.setitem(sys.modules, "hf_memory_real_width", stub)
+    hf_memory.main(["--real-width", "--seq", "2048", "--only", "wrapper"])
+    assert calls == [["--seq", "2048", "--only", "wrapper"]]
+
+
+@pytest.mark.slow
+def test_hf_memory_real_width_measures_the_wrapper_and_checkpointing_on_tiny_models(monkeypatch):
+    monkeypatch.setenv("ORTPASS_BENCH_TINY", "1")  # read by the script and by its children
+    real_width = _load("hf_memory_real_width")
+    # The CCE row is left out: its torch.compile takes ~15 s even on the tiny model.
+    # LLaMA's attention is fused and recomputed: its timing run loads PythonOps from the cache.
+    results = real_width.run(["gpt2", "llama"], seq=real_width.TINY_SEQ, steps=1, only=["wrapper", "torch_ckpt"])
+    table = real_width.markdown(results)
+    assert "| ortpass.ORTModule, default pipeline | " in table
+    assert "| torch + checkpointing + Cut Cross-Entropy (torch_compile impl) | not run | not run |" in table
+    for family in ("gpt2", "llama"):
+        configs = results["families"][family]["configs"]
+        assert list(configs) == ["wrapper", "torch_ckpt"]
+        assert all(c["step_seconds"] > 0 and c["step_peak_mib"] >= 0 for c in configs.values())
+        # The memory run built the graph; the timing run loaded it from ORTModule's cache.
+        assert configs["wrapper"]["graph_builds"] == 1 and configs["wrapper"]["timing_run_graph_builds"] == 0
+        assert configs["wrapper"]["sessions_without_arena"] > 0  # the memory run's sessions: ORT's arena off
+        assert f"{family}: goal " in table and f"{family} first-step losses: wrapper " in table
