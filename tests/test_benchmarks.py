@@ -190,4 +190,4 @@ def test_hf_memory_real_width_measures_the_wrapper_and_checkpointing_on_tiny_mod
         # The memory run built the graph; the timing run loaded it from ORTModule's cache.
         assert configs["wrapper"]["graph_builds"] == 1 and configs["wrapper"]["timing_run_graph_builds"] == 0
         assert configs["wrapper"]["sessions_without_arena"] > 0  # the memory run's sessions: ORT's arena off
-        assert f"{family}: goal " in table and f"{family} first-step losses: wrapper " in table
+        assert f"{family}, wrapper: goal " in table and f"{family} first-step losses: wrapper " in table

@@ -151,9 +151,8 @@ def test_default_chunk_leaves_a_small_vocabulary_alone():
     ("module", "reason"),
     [
         (TinyLM("tied", reduction="none"), "reduction"),
-        (TinyLM("tied", logits_out=True), "read outside the loss"),
     ],
-    ids=["reduction-none", "logits-returned"],
+    ids=["reduction-none"],
 )
 def test_does_not_fire_and_says_why(module, reason):
     if module.reduction == "none":
@@ -168,6 +167,34 @@ def _summed(forward):
         return forward(ids, labels).sum()
 
     return call
+
+
+@pytest.mark.parametrize("head", ["tied", "linear"])
+def test_returned_logits_are_sliced_not_computed_again(head):
+    """A module that returns its logits (Hugging Face's do) computes them whole anyway: the
+    chunked loss slices them, and only the returned logits are vocabulary-wide."""
+    torch.manual_seed(0)
+    module = TinyLM(head, logits_out=True)
+    plain = _training(module)
+    model, pass_ = _chunked(module)
+    assert pass_.stats["counts"]["losses chunked"] == 1
+    logits_output = next(v for v in model.graph.outputs if v.shape is not None and v.shape.rank() == 3)
+    wide = [
+        v for n in model.graph for v in n.outputs
+        if v.dtype == ir.DataType.FLOAT and v.shape is not None and v.shape.rank() >= 2 and v.shape[-1] == VOCAB
+        and v.shape[0] != HIDDEN  # not the weight's gradient
+    ]  # fmt: skip
+    assert {v.producer().op_type for v in wide} <= {"MatMul", "Gemm", "Reshape"}  # the head's own output, and its rows
+    assert logits_output in wide
+    assert sum(v.producer().op_type in ("MatMul", "Gemm") for v in wide) == 1  # no second head
+    batch = dict(zip(["ids", "labels"], (a.numpy() for a in _args())))
+    a, b = TrainingSession(plain).run(batch), TrainingSession(model).run(batch)
+    np.testing.assert_allclose(b.loss, a.loss, rtol=1e-6)
+    for name, gradient in a.gradients.items():  # float32 sums in another order: 1e-6 of the largest entry
+        np.testing.assert_allclose(b.gradients[name], gradient, rtol=1e-5, atol=1e-6 * np.abs(gradient).max(), err_msg=name)
+    with torch.no_grad():
+        loss, logits = module(*_args())
+    np.testing.assert_allclose(b.loss, loss.numpy(), rtol=1e-5)
 
 
 def test_label_smoothing_is_refused_at_export():

@@ -60,16 +60,17 @@ def region_backward(
 
 
 def gradients_handed_on(
-    region: list[ir.Node], backward: list[ir.Node], operands: list[ir.Value]
+    region: list[ir.Node], backward: list[ir.Node], operands: list[ir.Value], kept: frozenset[ir.Value] = frozenset()
 ) -> tuple[ir.Value, ir.Value | None, ir.Value | None]:
     """The gradients of the head's input, weight and bias among the values the loss's nodes
     hand to the rest of the graph (a frozen weight or bias has none); anything else handed
-    on stops the rewrite."""
+    on stops the rewrite, as does a forward value of the region read elsewhere, but the
+    loss and the ``kept`` values (logits the graph returns)."""
     inside = set(region) | set(backward)
     loss_value = region[-1].outputs[0]
     for node in region:
         for out in node.outputs:
-            if out is loss_value:
+            if out is loss_value or out in kept:
                 continue
             if out.is_graph_output() or any(user not in inside for user, _ in out.uses()):
                 raise RegionGradientError(f"{out.name} is read outside the loss and its gradient")

@@ -55,7 +55,9 @@ class HeadLoss:
     """What the chunked loss reads: ``hidden`` rows (rank 2, ``rows x H``), the head weight
     ``weight`` (``V x H`` when ``weight_rows_are_vocab``, else ``H x V``), int64 or int32
     ``labels`` (rank 1), the loss's gradient ``loss_grad`` (a scalar), and the head's
-    ``bias`` (``V``) if it has one."""
+    ``bias`` (``V``) if it has one.  With ``logits`` (the rows' full logits, which the graph
+    computes anyway when it returns them), each slice's logits are sliced from them
+    instead of computed again."""
 
     hidden: ir.Value
     rows: int | ir.SymbolicDim
@@ -69,6 +71,7 @@ class HeadLoss:
     dtype: ir.DataType
     bias: ir.Value | None = None  # the head's bias, rank 1 (vocabulary)
     bias_trains: bool = False  # whether to compute the bias's gradient
+    logits: ir.Value | None = None  # rows x vocabulary logits the graph computes anyway (an output)
 
 
 @dataclasses.dataclass
@@ -171,15 +174,20 @@ def write_chunked_loss(head: HeadLoss, chunk: int, names: NameAllocator, *, pref
         inputs = [head.bias, begin, w.ints([stop], f"bias_stop{index}"), w.ints([0], f"bias_axis{index}")]
         return w.op("Slice", inputs, name=f"bias{index}", shape=[stop - start], dtype=f)
 
-    def logits_of(weight: ir.Value, bias: ir.Value | None, width: int, name: str) -> ir.Value:
+    def logits_of(begin: ir.Value, start: int, stop: int, index: int, name: str, weight: ir.Value | None = None) -> ir.Value:
+        """Slice ``index``'s logits: from the given logits, else ``hidden @ weight slice + bias slice``."""
+        if head.logits is not None:
+            inputs = [head.logits, begin, w.ints([stop], f"{name}_stop"), w.ints([1], f"{name}_axis")]
+            return w.op("Slice", inputs, name=name, shape=[n, stop - start], dtype=f)
+        bias = bias_slice(begin, start, stop, index)
+        weight = weight if weight is not None else weight_slice(begin, start, stop, index)
         inputs = [head.hidden, weight] if bias is None else [head.hidden, weight, bias]
-        return w.op("Gemm", inputs, {"transB": trans_b}, name=name, shape=[n, width], dtype=f)
+        return w.op("Gemm", inputs, {"transB": trans_b}, name=name, shape=[n, stop - start], dtype=f)
 
     slices = vocab_slices(head.vocab, chunk)
     pieces = []
     for i, (start, stop) in enumerate(slices):
-        begin = w.ints([start], f"start{i}")
-        logits = logits_of(weight_slice(begin, start, stop, i), bias_slice(begin, start, stop, i), stop - start, f"logits{i}")
+        logits = logits_of(w.ints([start], f"start{i}"), start, stop, i, f"logits{i}")
         pieces.append(w.reduce("ReduceLogSumExp", logits, [1], f"logsumexp{i}"))
     lse = pieces[0]
     if len(pieces) > 1:
@@ -208,7 +216,7 @@ def write_chunked_loss(head: HeadLoss, chunk: int, names: NameAllocator, *, pref
             as_index = w.op("Cast", [token], {"to": i64}, name=f"token{i}", shape=[], dtype=i64)
             begin = w.op("Where", [never, as_index, begin], name=f"after_slice{i}", shape=[1], dtype=i64)
         weight = weight_slice(begin, start, stop, i)
-        logits = logits_of(weight, bias_slice(begin, start, stop, i), width, f"logits_again{i}")
+        logits = logits_of(begin, start, stop, i, f"logits_again{i}", weight)
         shifted = w.op("Sub", [logits, lse], name=f"shifted{i}", shape=wide, dtype=f)
         probs = w.op("Exp", [shifted], name=f"probs{i}", shape=wide, dtype=f)
         scaled = w.op("Mul", [probs, row_grad], name=f"scaled{i}", shape=wide, dtype=f)

@@ -81,7 +81,8 @@ class _Skip(Exception):
 @dataclasses.dataclass
 class _Match:
     loss: ir.Node
-    region: list[ir.Node]  # forward: [Transpose], head, [Reshape], loss
+    region: list[ir.Node]  # forward: [Transpose], head, [bias Add], [Reshape], loss
+    removed: list[ir.Node]  # the region's nodes the rewrite removes: all, or the loss alone when the logits are kept
     backward: list[ir.Node]  # the loss's backward, in graph order
     head: HeadLoss
     chunk: int
@@ -163,21 +164,23 @@ class ChunkLmHeadLossPass(OrtPass):
         if vocab <= chunk:
             raise _Skip(f"vocabulary {vocab} fits one chunk of {chunk} columns")
         region = [n for n in (transpose, head, bias_add, reshape, loss) if n is not None]
+        kept = _returned_logits(region, logits, logits_rows)
         seed = _value_named(model.graph, f"{loss_name}_grad")
         if seed is None:
             raise _Skip(f"the loss's gradient {loss_name}_grad is not in the graph")
         operands = [v for v in (hidden, weight, bias) if v is not None]
         try:
             backward = region_backward(model.graph, region, seed, {*operands, labels}, operands)
-            handed = gradients_handed_on(region, backward, operands)
+            handed = gradients_handed_on(region, backward, operands, kept)
         except RegionGradientError as why:
             raise _Skip(str(why)) from None
         loss_head = HeadLoss(
             hidden=hidden, rows=rows, weight=weight, weight_rows_are_vocab=rows_are_vocab, vocab=vocab, labels=labels,
             ignore_index=ignore_index, reduction=reduction, loss_grad=seed, dtype=dtype, bias=bias,
-            bias_trains=handed[2] is not None,
+            bias_trains=handed[2] is not None, logits=logits_rows if kept else None,
         )  # fmt: skip
-        return _Match(loss, region, backward, loss_head, chunk, hidden if hidden.shape.rank() != 2 else None, *handed)
+        removed = [loss] if kept else region
+        return _Match(loss, region, removed, backward, loss_head, chunk, hidden if hidden.shape.rank() != 2 else None, *handed)
 
     @staticmethod
     def _weight_of(head: ir.Node, projection: ir.Value | None) -> tuple[ir.Value, bool, ir.Node | None]:
@@ -224,7 +227,7 @@ class ChunkLmHeadLossPass(OrtPass):
                          (match.weight_grad, written.weight_grad), (match.bias_grad, bias_grad)):  # fmt: skip
             if old is not None:
                 _take_over(old, new)
-        _remove_with_feeders(graph, [*match.backward, *reversed(match.region)])
+        _remove_with_feeders(graph, [*match.backward, *reversed(match.removed)])
         self.count("losses chunked")
         slices = -(-head.vocab // chunk)
         self.note("chunked", {"loss": match.loss.name, "vocab": head.vocab, "slices": slices, "chunk": chunk})
@@ -251,6 +254,15 @@ class _NodeWriter:
         out = self.add(ir.node("Reshape", [x, shape]), name)
         out.shape, out.dtype = ir.Shape(list(dims)), dtype
         return out
+
+
+def _returned_logits(region: list[ir.Node], logits: ir.Value, logits_rows: ir.Value) -> frozenset[ir.Value]:
+    """The logits (as the head wrote them, and as rows) when the graph returns them or a
+    forward node outside the region reads them: they are computed whole anyway, and the
+    chunked loss slices them instead of computing them again."""
+    outside = [v for v in (logits, logits_rows) if v.is_graph_output() or any(
+        user not in region and not is_backward(user) for user, _ in v.uses())]  # fmt: skip
+    return frozenset({logits, logits_rows}) if outside else frozenset()
 
 
 def _loss_settings(loss: ir.Node, loss_name: str | None) -> tuple[str, int | None]:
