@@ -14,19 +14,22 @@ Rule.  A ``SoftmaxCrossEntropyLoss`` (ai.onnx, or ORT's ``...Internal``) ``L`` w
 the training graph's loss is rewritten when all of:
 
 1. ``reduction`` is ``mean`` or ``sum``, there are no class weights, ``ignore_index`` is known;
-2. its logits come from ``MatMul(h, B)`` or ``Gemm(h, B)`` (no bias, no ``transA``, alpha 1),
-   through at most one ``Reshape`` to rows x vocabulary; ``B`` is ``Transpose(W)`` (read by
-   nothing else in forward) or a weight itself; the weight's shape is static;
-3. the logits and log probabilities are read by nothing but the loss and backward;
+2. its logits come from ``MatMul(h, B)`` or ``Gemm(h, B[, c])`` (no ``transA``, alpha and
+   beta 1), with or without an ``Add`` of a bias (a weight, ``V`` or ``1 x V``), through at
+   most one ``Reshape`` to rows x vocabulary; ``B`` is ``Transpose(W)`` (read by nothing
+   else in forward) or a weight itself; the weight's shape is static;
+3. the log probabilities are read by nothing but backward;
 4. the vocabulary is wider than one chunk;
-5. the backward nodes that compute from the loss's gradient, the logits and the log
-   probabilities (with the head's inputs and constants) hand exactly the gradient of ``h``
-   and, when the weight trains, the gradient of the weight to the rest of the graph.
+5. the backward nodes that compute from the loss's gradient and the region's values (with
+   the head's inputs and constants) hand exactly the gradients of ``h``, of the weight and
+   of the bias (those that train) to the rest of the graph.
 
 Those forward and backward nodes are removed; the chunked loss's values take their
-readers (graph outputs keep their names).  Runs after the gradient build and before
-``accumulate-gradients-early`` (a tied weight's head part is then the slices'
-concatenation) and ``recompute``.  Statistics: ``losses chunked``, ``losses skipped``;
+readers (graph outputs keep their names).  When the graph returns the logits (Hugging
+Face's output carries them) or a forward node reads them, the head stays: the logits are
+computed whole anyway, and the chunked loss slices them instead of computing them again.
+Runs after the gradient build and before ``accumulate-gradients-early`` (a tied weight's
+head part is then the slices' concatenation) and ``recompute``.  Statistics: ``losses chunked``, ``losses skipped``;
 notes ``chunked`` (loss, vocabulary, slices, chunk) and ``skipped`` (loss, reason).
 """
 
