@@ -262,3 +262,46 @@ def test_the_default_chunk_holds_32_mib_of_logits_at_the_graphs_rows():
     rows = ir.SymbolicDim("batch*seq")  # the export's dims count symbolic rows
     assert _chunk_columns(rows, ir.DataType.FLOAT, {"batch": 2, "seq": 2048}) == 2048
     assert _chunk_columns(rows, ir.DataType.FLOAT, {"batch": 2}) == 8192
+
+
+class OutputLM(TinyLM):
+    """Returns ``{"loss", "logits"}``, as a Hugging Face model's output carries both."""
+
+    def forward(self, ids, labels):
+        loss, logits = TinyLM.forward(self, ids, labels)
+        return {"loss": loss, "logits": logits}
+
+
+@pytest.mark.parametrize("logits_out", [False, True], ids=["loss-only", "logits-returned"])
+def test_ortmodule_trains_like_torch_with_the_loss_chunked_as_batch_and_sequence_change(logits_out, monkeypatch):
+    """Every step's loss, logits and gradients are torch's while the batch and the sequence
+    change, and every graph ORTModule built for them has its loss chunked."""
+    import copy
+
+    torch.manual_seed(0)
+    module = OutputLM("tied", logits_out=True) if logits_out else TinyLM("tied")
+    reference = copy.deepcopy(module)
+    pipeline = DEFAULT_PIPELINE.replace("chunk-lm-head-loss,", f"chunk-lm-head-loss(chunk={CHUNK}),")
+    wrapped = ortpass.ORTModule(module, pipeline=pipeline)
+    graphs = []
+    run = type(wrapped)._run
+    monkeypatch.setattr(type(wrapped), "_run", lambda self, graph, tensors: (graphs.append(graph), run(self, graph, tensors))[1])
+    generator = torch.Generator().manual_seed(2)
+    for batch, seq in ((2, 8), (3, 5), (1, 12), (2, 8)):
+        ids = torch.randint(0, VOCAB, (batch, seq), generator=generator)
+        labels = torch.randint(0, VOCAB, (batch, seq), generator=generator)
+        # Some padding, under the 10% at which the export gathers the valid rows before the
+        # loss (a gather that stays below the head's Reshape, where the pass does not chunk).
+        labels[0, -1] = IGNORE
+        for m in (wrapped, reference):
+            m.zero_grad(set_to_none=True)
+        ours, theirs = wrapped(ids, labels), reference(ids, labels)
+        if logits_out:
+            torch.testing.assert_close(ours["logits"], theirs["logits"], rtol=1e-5, atol=1e-6)
+            ours, theirs = ours["loss"], theirs["loss"]
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+        ours.backward()
+        theirs.backward()
+        for (name, p), q in zip(wrapped.module.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+    assert graphs and all(g.report["chunk-lm-head-loss"].stats.get("counts", {}).get("losses chunked") == 1 for g in graphs), [g.report["chunk-lm-head-loss"].stats for g in graphs]
