@@ -42,6 +42,7 @@ import onnx_ir as ir
 
 from ortpass.analysis.memory import dim_expr, evaluate
 from ortpass.analysis.partition import (
+    TrainingInfo,
     get_training_info,
     is_backward,
     is_training_graph,
@@ -126,7 +127,7 @@ class ChunkLmHeadLossPass(OrtPass):
             if not is_sce_loss(node, model):
                 continue
             try:
-                matches.append(self._match(model, node, info.loss))
+                matches.append(self._match(model, node, info))
             except _Skip as why:
                 self.count("losses skipped")
                 self.note("skipped", {"loss": node.name, "reason": str(why)})
@@ -136,8 +137,8 @@ class ChunkLmHeadLossPass(OrtPass):
         return ir.passes.PassResult(model, modified=bool(matches))
 
     # -- matching ---------------------------------------------------------------------------
-    def _match(self, model: ir.Model, loss: ir.Node, loss_name: str | None) -> _Match:
-        reduction, ignore_index = _loss_settings(loss, loss_name)
+    def _match(self, model: ir.Model, loss: ir.Node, info: TrainingInfo) -> _Match:
+        reduction, ignore_index = _loss_settings(loss, info.loss)
         logits_rows, labels = loss.inputs[0], loss.inputs[1]
         if labels is None or labels.dtype not in LABEL_TYPES or labels.shape is None or labels.shape.rank() != 1:
             raise _Skip("labels are not a rank-1 tensor of class indices")
@@ -168,9 +169,9 @@ class ChunkLmHeadLossPass(OrtPass):
             raise _Skip(f"vocabulary {vocab} fits one chunk of {chunk} columns")
         region = [n for n in (transpose, head, bias_add, reshape, loss) if n is not None]
         kept = _returned_logits(region, logits, logits_rows)
-        seed = _value_named(model.graph, f"{loss_name}_grad")
+        seed = _value_named(model.graph, info.loss_gradient)  # _loss_settings checked info.loss
         if seed is None:
-            raise _Skip(f"the loss's gradient {loss_name}_grad is not in the graph")
+            raise _Skip(f"the loss's gradient {info.loss_gradient} is not in the graph")
         operands = [v for v in (hidden, weight, bias) if v is not None]
         try:
             backward = region_backward(model.graph, region, seed, {*operands, labels}, operands)
