@@ -210,23 +210,13 @@ def test_default_pipeline_step_matches_torch(exported):
 # vocabulary columns at symbolic rows); these slices are narrow enough for vocabulary 1000.
 CHUNKED = DEFAULT_PIPELINE.replace("chunk-lm-head-loss,", "chunk-lm-head-loss(chunk=256),")
 assert CHUNKED != DEFAULT_PIPELINE
-# Families whose loss the pass leaves alone, and why: the masked-LM heads add a bias, so the
-# label gather stays below the projection (gather_before_projection moves it above a bare
-# MatMul or Gemm only).
-UNCHUNKED = dict.fromkeys(
-    ["albert", "bert", "distilbert", "electra", "roberta"],
-    "the logits come from ShrunkenGather, not a MatMul or Gemm (with or without an Add of a bias)",
-)
 
 
 def test_chunked_head_and_loss_match_torch(exported):
     result = ortpass.pipeline(CHUNKED)(exported.forward)
     stats = result.report["chunk-lm-head-loss"].stats
-    if exported.name in UNCHUNKED:
-        assert [s["reason"] for s in stats["notes"]["skipped"]] == [UNCHUNKED[exported.name]]
-    else:
-        assert stats["counts"]["losses chunked"] == 1, stats
-        assert not any(n.op_type == "SoftmaxCrossEntropyLoss" for n in result.model.graph)
+    assert stats["counts"]["losses chunked"] == 1, stats
+    assert not any(n.op_type == "SoftmaxCrossEntropyLoss" for n in result.model.graph)
     check_parity(exported.module, exported.args, result.model, input_names=NAMES).assert_ok()
 
 

@@ -20,6 +20,10 @@ slice starts from a token of the slice before (``Where(false, token, start)`` on
 ``dh``: whichever output ORT needs first, it computes the slices in order, each slice's
 ``N x chunk`` tensors freed before the next begins.
 
+With ``row_indices`` the loss reads only those rows of ``h`` (the rows whose label is not
+``ignore_index``, gathered before the loss); their gradient is scattered back into the
+others' zeros.
+
 A label that is neither ``ignore_index`` nor in ``[0, V)`` fails in ``Gather`` with the
 index named, as ``SoftmaxCrossEntropyLoss`` fails on it.
 """
@@ -41,6 +45,8 @@ __all__ = ["ChunkedLossValues", "HeadLoss", "vocab_slices", "write_chunked_loss"
 # ReduceLogSumExp and ReduceSum take their axes as an input from these opsets on.
 _REDUCE_SUM_AXES_INPUT_OPSET = 13
 _REDUCE_AXES_INPUT_OPSET = 18
+# ScatterND sums repeated indices (reduction="add") from this opset on.
+_SCATTER_ADD_OPSET = 16
 
 
 def vocab_slices(vocab: int, chunk: int) -> list[tuple[int, int]]:
@@ -57,7 +63,8 @@ class HeadLoss:
     ``labels`` (rank 1), the loss's gradient ``loss_grad`` (a scalar), and the head's
     ``bias`` (``V``) if it has one.  With ``logits`` (the rows' full logits, which the graph
     computes anyway when it returns them), each slice's logits are sliced from them
-    instead of computed again."""
+    instead of computed again.  With ``row_indices`` (rank 1), the loss reads those rows
+    of ``hidden`` and ``logits`` only, and ``labels`` are theirs."""
 
     hidden: ir.Value
     rows: int | ir.SymbolicDim
@@ -72,6 +79,7 @@ class HeadLoss:
     bias: ir.Value | None = None  # the head's bias, rank 1 (vocabulary)
     bias_trains: bool = False  # whether to compute the bias's gradient
     logits: ir.Value | None = None  # rows x vocabulary logits the graph computes anyway (an output)
+    row_indices: ir.Value | None = None  # the rows the loss reads (labels not ignore_index), if not all
 
 
 @dataclasses.dataclass
@@ -132,10 +140,14 @@ class _Writer:
 def write_chunked_loss(head: HeadLoss, chunk: int, names: NameAllocator, *, prefix: str, opset: int) -> ChunkedLossValues:
     """Write the forward and backward of the chunked loss (see the module docstring)."""
     w = _Writer(names, prefix, opset)
-    n, f, i64, b = head.rows, head.dtype, ir.DataType.INT64, ir.DataType.BOOL
+    f, i64, b = head.dtype, ir.DataType.INT64, ir.DataType.BOOL
+    n = head.rows if head.row_indices is None else head.labels.shape[0]
     hidden_size = head.weight.shape[1 if head.weight_rows_are_vocab else 0]
     column, rows_by_hidden = [n, 1], [n, hidden_size]
     zero = w.const(np.array(0, dtype=f.numpy()), "zero")
+    hidden = head.hidden
+    if head.row_indices is not None:
+        hidden = w.op("Gather", [head.hidden, head.row_indices], {"axis": 0}, name="loss_rows", shape=rows_by_hidden, dtype=f)
     labels = head.labels
     if labels.dtype != i64:
         labels = w.op("Cast", [labels], {"to": i64}, name="labels_int64", shape=[n], dtype=i64)
@@ -156,7 +168,7 @@ def write_chunked_loss(head: HeadLoss, chunk: int, names: NameAllocator, *, pref
     else:
         gathered = w.op("Gather", [head.weight, flat_checked], {"axis": 1}, name="target_weights", shape=[hidden_size, n], dtype=f)
         target_rows = w.op("Transpose", [gathered], {"perm": [1, 0]}, name="target_weights_rows", shape=rows_by_hidden, dtype=f)
-    products = w.op("Mul", [head.hidden, target_rows], name="target_products", shape=rows_by_hidden, dtype=f)
+    products = w.op("Mul", [hidden, target_rows], name="target_products", shape=rows_by_hidden, dtype=f)
     target_logit = w.reduce("ReduceSum", products, [1], "target_logit")
     if head.bias is not None:
         target_bias = w.op("Gather", [head.bias, checked], {"axis": 0}, name="target_bias", shape=column, dtype=f)
@@ -178,10 +190,13 @@ def write_chunked_loss(head: HeadLoss, chunk: int, names: NameAllocator, *, pref
         """Slice ``index``'s logits: from the given logits, else ``hidden @ weight slice + bias slice``."""
         if head.logits is not None:
             inputs = [head.logits, begin, w.ints([stop], f"{name}_stop"), w.ints([1], f"{name}_axis")]
-            return w.op("Slice", inputs, name=name, shape=[n, stop - start], dtype=f)
+            if head.row_indices is None:
+                return w.op("Slice", inputs, name=name, shape=[n, stop - start], dtype=f)
+            every_row = w.op("Slice", inputs, name=f"{name}_every_row", shape=[head.rows, stop - start], dtype=f)
+            return w.op("Gather", [every_row, head.row_indices], {"axis": 0}, name=name, shape=[n, stop - start], dtype=f)
         bias = bias_slice(begin, start, stop, index)
         weight = weight if weight is not None else weight_slice(begin, start, stop, index)
-        inputs = [head.hidden, weight] if bias is None else [head.hidden, weight, bias]
+        inputs = [hidden, weight] if bias is None else [hidden, weight, bias]
         return w.op("Gemm", inputs, {"transB": trans_b}, name=name, shape=[n, stop - start], dtype=f)
 
     slices = vocab_slices(head.vocab, chunk)
@@ -231,9 +246,9 @@ def write_chunked_loss(head: HeadLoss, chunk: int, names: NameAllocator, *, pref
             part = w.op("Add", [hidden_grad, part], name=f"hidden_grad{i}", shape=rows_by_hidden, dtype=f)
         hidden_grad = part
         if head.weight_rows_are_vocab:
-            piece = w.op("Gemm", [logits_grad, head.hidden], {"transA": 1}, name=f"weight_grad{i}", shape=[width, hidden_size], dtype=f)
+            piece = w.op("Gemm", [logits_grad, hidden], {"transA": 1}, name=f"weight_grad{i}", shape=[width, hidden_size], dtype=f)
         else:
-            piece = w.op("Gemm", [head.hidden, logits_grad], {"transA": 1}, name=f"weight_grad{i}", shape=[hidden_size, width], dtype=f)
+            piece = w.op("Gemm", [hidden, logits_grad], {"transA": 1}, name=f"weight_grad{i}", shape=[hidden_size, width], dtype=f)
         weight_grads.append(piece)
         sums = [w.reduce("ReduceSum", piece, None, f"weight_grad_sum{i}"), w.reduce("ReduceSum", hidden_grad, None, f"hidden_grad_sum{i}")]
         if head.bias is not None and head.bias_trains:
@@ -244,6 +259,8 @@ def write_chunked_loss(head: HeadLoss, chunk: int, names: NameAllocator, *, pref
             token = w.op("Add", [token, more], name=f"slice_done{i}_{j}", shape=[], dtype=f)
     assert hidden_grad is not None and token is not None  # vocab_slices gives at least one slice
     hidden_grad = w.op("Where", [never, token, hidden_grad], name="hidden_grad", shape=rows_by_hidden, dtype=f)
+    if head.row_indices is not None:
+        hidden_grad = _scatter_rows(w, hidden_grad, head)
     weight_grad = weight_grads[0]
     if len(weight_grads) > 1:
         weight_grad = w.op("Concat", weight_grads, {"axis": vocab_axis}, name="weight_grad", shape=list(head.weight.shape), dtype=f)
@@ -251,3 +268,15 @@ def write_chunked_loss(head: HeadLoss, chunk: int, names: NameAllocator, *, pref
     if bias_grads:
         bias_grad = bias_grads[0] if len(bias_grads) == 1 else w.op("Concat", bias_grads, {"axis": 1}, name="bias_grad", shape=[1, head.vocab], dtype=f)
     return ChunkedLossValues(w.sides["forward"], w.sides["backward"], loss, hidden_grad, weight_grad, bias_grad)
+
+
+def _scatter_rows(w: _Writer, grad: ir.Value, head: HeadLoss) -> ir.Value:
+    """The gradient of every row of ``head.hidden``: ``grad`` (the loss rows') in its
+    ``row_indices`` rows, zeros in the others (the gradient of the rows' Gather)."""
+    every_row = list(head.hidden.shape)
+    shape = w.op("Shape", [head.hidden], name="every_row_shape", shape=[2], dtype=ir.DataType.INT64)
+    zeros = w.op("ConstantOfShape", [shape], {"value": ir.tensor(np.zeros(1, dtype=head.dtype.numpy()))}, name="every_row_zeros", shape=every_row, dtype=head.dtype)
+    index_column = w.op("Unsqueeze", [head.row_indices, w.ints([1], "row_index_axis")], name="row_index_column", shape=[grad.shape[0], 1], dtype=ir.DataType.INT64)
+    # Repeated indices would overwrite each other without "add"; the row gather's own are unique.
+    attributes = {"reduction": "add"} if w.opset >= _SCATTER_ADD_OPSET else {}
+    return w.op("ScatterND", [zeros, index_column, grad], attributes, name="hidden_grad_every_row", shape=every_row, dtype=head.dtype)

@@ -16,8 +16,10 @@ the training graph's loss is rewritten when all of:
 1. ``reduction`` is ``mean`` or ``sum``, there are no class weights, ``ignore_index`` is known;
 2. its logits come from ``MatMul(h, B)`` or ``Gemm(h, B[, c])`` (no ``transA``, alpha and
    beta 1), with or without an ``Add`` of a bias (a weight, ``V`` or ``1 x V``), through at
-   most one ``Reshape`` to rows x vocabulary; ``B`` is ``Transpose(W)`` (read by nothing
-   else in forward) or a weight itself; the weight's shape is static;
+   most one ``Reshape`` to rows x vocabulary, then at most one ``ShrunkenGather`` of the
+   rows whose label is not ignored (``insert-gather-before-sce-loss``); ``B`` is
+   ``Transpose(W)`` (read by nothing else in forward) or a weight itself; the weight's
+   shape is static;
 3. the log probabilities are read by nothing but backward;
 4. the vocabulary is wider than one chunk;
 5. the backward nodes that compute from the loss's gradient and the region's values (with
@@ -28,6 +30,8 @@ Those forward and backward nodes are removed; the chunked loss's values take the
 readers (graph outputs keep their names).  When the graph returns the logits (Hugging
 Face's output carries them) or a forward node reads them, the head stays: the logits are
 computed whole anyway, and the chunked loss slices them instead of computing them again.
+Gathered rows are gathered by the chunked loss itself (from the hidden rows, or from each
+slice of the kept logits), and their gradient scattered back into the other rows' zeros.
 Runs after the gradient build and before ``accumulate-gradients-early`` (a tied weight's
 head part is then the slices' concatenation) and ``recompute``.  Statistics: ``losses chunked``, ``losses skipped``;
 notes ``chunked`` (loss, vocabulary, slices, chunk) and ``skipped`` (loss, reason).
@@ -53,7 +57,7 @@ from ortpass.analysis.region_gradients import (
     gradients_handed_on,
     region_backward,
 )
-from ortpass.conventions import is_onnx_domain
+from ortpass.conventions import MS_DOMAIN, is_onnx_domain
 from ortpass.graph.names import NameAllocator
 from ortpass.infra.base import OrtPass
 from ortpass.infra.metadata import get_export_info
@@ -85,7 +89,7 @@ class _Skip(Exception):
 @dataclasses.dataclass
 class _Match:
     loss: ir.Node
-    region: list[ir.Node]  # forward: [Transpose], head, [bias Add], [Reshape], loss
+    region: list[ir.Node]  # forward: [Transpose], head, [bias Add], [Reshape], [row ShrunkenGather], loss
     removed: list[ir.Node]  # the region's nodes the rewrite removes: all, or the loss alone when the logits are kept
     backward: list[ir.Node]  # the loss's backward, in graph order
     head: HeadLoss
@@ -142,6 +146,9 @@ class ChunkLmHeadLossPass(OrtPass):
         logits_rows, labels = loss.inputs[0], loss.inputs[1]
         if labels is None or labels.dtype not in LABEL_TYPES or labels.shape is None or labels.shape.rank() != 1:
             raise _Skip("labels are not a rank-1 tensor of class indices")
+        row_gather, row_indices = _row_gather_of(logits_rows)
+        if row_gather is not None:
+            logits_rows = row_gather.inputs[0]
         if logits_rows.shape is None or logits_rows.shape.rank() != 2:
             raise _Skip("the loss's logits are not rank 2 with a known shape")
         reshape = logits_rows.producer()
@@ -167,23 +174,24 @@ class ChunkLmHeadLossPass(OrtPass):
         chunk = self.chunk or _chunk_columns(rows, dtype, get_export_info(model).get("dims"))
         if vocab <= chunk:
             raise _Skip(f"vocabulary {vocab} fits one chunk of {chunk} columns")
-        region = [n for n in (transpose, head, bias_add, reshape, loss) if n is not None]
+        region = [n for n in (transpose, head, bias_add, reshape, row_gather, loss) if n is not None]
         kept = _returned_logits(region, logits, logits_rows)
         seed = _value_named(model.graph, info.loss_gradient)  # _loss_settings checked info.loss
         if seed is None:
             raise _Skip(f"the loss's gradient {info.loss_gradient} is not in the graph")
         operands = [v for v in (hidden, weight, bias) if v is not None]
         try:
-            backward = region_backward(model.graph, region, seed, {*operands, labels}, operands)
+            boundary = {*operands, labels} | ({row_indices} if row_indices is not None else set())
+            backward = region_backward(model.graph, region, seed, boundary, operands)
             handed = gradients_handed_on(region, backward, operands, kept)
         except RegionGradientError as why:
             raise _Skip(str(why)) from None
         loss_head = HeadLoss(
             hidden=hidden, rows=rows, weight=weight, weight_rows_are_vocab=rows_are_vocab, vocab=vocab, labels=labels,
             ignore_index=ignore_index, reduction=reduction, loss_grad=seed, dtype=dtype, bias=bias,
-            bias_trains=handed[2] is not None, logits=logits_rows if kept else None,
+            bias_trains=handed[2] is not None, logits=logits_rows if kept else None, row_indices=row_indices,
         )  # fmt: skip
-        removed = [loss] if kept else region
+        removed = [n for n in (row_gather, loss) if n is not None] if kept else region
         return _Match(loss, region, removed, backward, loss_head, chunk, hidden if hidden.shape.rank() != 2 else None, *handed)
 
     @staticmethod
@@ -284,6 +292,18 @@ def _loss_settings(loss: ir.Node, loss_name: str | None) -> tuple[str, int | Non
     if ignore_index is None:
         raise _Skip(reason)
     return reduction, ignore_index
+
+
+def _row_gather_of(logits: ir.Value) -> tuple[ir.Node | None, ir.Value | None]:
+    """The ``ShrunkenGather`` of the valid label rows between the logits and the loss (see
+    ``insert-gather-before-sce-loss``), and its row indices, if there is one."""
+    gather = logits.producer()
+    if gather is None or gather.op_type != "ShrunkenGather" or gather.domain != MS_DOMAIN:
+        return None, None
+    indices = gather.inputs[1]
+    if indices is None or indices.shape is None or indices.shape.rank() != 1 or indices.dtype != ir.DataType.INT64:
+        raise _Skip("the rows gathered before the loss are not a rank-1 int64 index")
+    return gather, indices
 
 
 def _head_of(logits: ir.Value | None) -> tuple[ir.Node, ir.Node | None, ir.Value | None]:
