@@ -237,7 +237,13 @@ class _Builder:
             return [], {}
         rows = self.recipe.loss_rows
         # Flatten to [rows, features], then project to the classes: logits [rows, classes].
-        features = int(np.prod(last.shape)) // rows
+        numel = int(np.prod(last.shape))
+        if numel % rows:  # a Transpose or a MatMul left a size rows does not divide: project first
+            spec = self.constant("shape", np.array([1, numel], np.int64))
+            line = self.node("Reshape", [last.name, spec], (1, numel))
+            spread = self.node("MatMul", [line.name, self.param("spread", [numel, rows * last.shape[-1]])], (1, rows * last.shape[-1]))
+            last, numel = spread, rows * last.shape[-1]
+        features = numel // rows
         spec = self.constant("shape", np.array([rows, features], np.int64))
         flat = self.node("Reshape", [last.name, spec], (rows, features))
         weight = self.param("head", [features, loss.classes])
