@@ -16,6 +16,7 @@ __all__ = [
     "EXPORT_KEY",
     "FUSED_ATTENTION",
     "FUSED_MASKED_ATTENTION",
+    "INDEX_CHECK_PREFIX",
     "MAX_ORT_IR_VERSION",
     "MAX_ORT_OPSET",
     "MS_DOMAIN",
@@ -53,6 +54,9 @@ REPLAY_OF_KEY = "pkg.ortpass.replay_of"
 #: Model: the padding row of each embedding ``Gather`` (JSON: output name -> row), written
 #: by ``ortpass.export``; the gradient build keeps that row's lookup gradient out.
 PADDING_IDX_KEY = "pkg.ortpass.padding_idx"
+
+#: Node name: a check-index-ranges node; the rest of the name says which indices it refuses.
+INDEX_CHECK_PREFIX = "ortpass refuses "
 
 # -- pass-ordering properties (``requires_properties`` / ``provides_properties``) -------
 SHAPES = "shapes"

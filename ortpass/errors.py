@@ -16,6 +16,7 @@ __all__ = [
     "PlanError",
     "UnregisteredFunctionError",
     "GoldenCaseError",
+    "IndexRangeError",
 ]
 
 
@@ -94,3 +95,9 @@ class GoldenCaseError(OrtpassError):
 
 class UnregisteredFunctionError(OrtpassError):
     """A PythonOp names a torch.autograd.Function that nobody registered."""
+
+
+class IndexRangeError(OrtpassError, IndexError):
+    """A step's batch holds a class label or an embedding id that torch refuses (and ONNX
+    Runtime's kernel would have taken): see the ``check-index-ranges`` pass.  An
+    ``IndexError``, as torch's own."""

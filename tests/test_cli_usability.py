@@ -280,7 +280,7 @@ def test_optimize_table_fits_the_terminal_and_wide_prints_it_whole(bert_optimize
     code, wide, err = _run("optimize", BERT, "-o", tmp_path / "o.onnx", "--wide")
     assert code == 0, err
     rows = [line for line in wide.splitlines() if re.match(r"\s*\d+ ", line)]
-    assert len(rows) == 11 and max(len(line) for line in wide.splitlines()) > 100  # one row per default pass
+    assert len(rows) == 12 and max(len(line) for line in wide.splitlines()) > 100  # one row per default pass
     assert not any(line.startswith("    added: ") for line in wide.splitlines())
 
 

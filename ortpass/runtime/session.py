@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import sys
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -37,6 +36,7 @@ from ortpass.analysis.partition import get_training_info
 from ortpass.conventions import BUILDER_KEY, REPLAY_OF_KEY, SIDE_KEY, is_onnx_domain
 from ortpass.errors import OrtpassError
 from ortpass.io import load
+from ortpass.runtime.step_errors import step_error, take_runner_error
 from ortpass.training.build import clamp_for_ort
 from ortpass.training.split import masks_read_where_redraws_differ
 
@@ -164,11 +164,11 @@ class TrainingSession:
             import onnxruntime as ort
 
             ort.set_seed(seed)
-        _take_runner_error()  # forget a failure from an earlier step
+        take_runner_error()  # forget a failure from an earlier step
         try:
             values = self._session.run(self._fetch, feeds)
         except Exception as exc:
-            raise OrtpassError(f"the training step failed on ONNX Runtime: {ort_error(exc)}") from exc
+            raise step_error(exc) from exc
         n_grads = len(self.info.gradients)
         gradients = dict(zip(self.info.gradients, values[1 : 1 + n_grads]))
         _check_gradient_shapes(gradients, feeds)
@@ -234,11 +234,11 @@ def open_session(
 def run_with_ort_values(session: Any, feeds: Mapping[str, Any], fetch: Sequence[str]) -> list[Any]:
     """Run an ORT ``session`` on C-level OrtValues; a failure names its root cause (a
     PythonOp's torch error, which ORT reports only as a generic one)."""
-    _take_runner_error()
+    take_runner_error()
     try:
         return list(session._sess.run_with_ort_values(dict(feeds), list(fetch), None))
     except Exception as exc:
-        raise OrtpassError(f"the training step failed on ONNX Runtime: {ort_error(exc)}") from exc
+        raise step_error(exc) from exc
 
 
 def _check_gradient_shapes(gradients: Mapping[str, np.ndarray], params: Mapping[str, np.ndarray]) -> None:
@@ -333,20 +333,6 @@ def _expose_values(proto: onnx.ModelProto, names: Sequence[str]) -> None:
         if name not in produced:
             raise OrtpassError(f"cannot fetch {name!r}: no node of the graph produces it")
         proto.graph.output.append(value_infos.get(name) or onnx.helper.make_empty_tensor_value_info(name))
-
-
-def _take_runner_error() -> BaseException | None:
-    # Only models with PythonOps load the bridge; don't import torch for the others.
-    bridge = sys.modules.get("ortpass.pythonop.bridge")
-    return bridge.last_runner_error(clear=True) if bridge is not None else None
-
-
-def ort_error(exc: BaseException) -> str:
-    """ORT reports a failing PythonOp runner only as a generic error; the bridge kept the real one."""
-    runner_error = _take_runner_error()
-    if runner_error is not None:
-        return f"a PythonOp's torch code raised {type(runner_error).__name__}: {runner_error}"
-    return f"{type(exc).__name__}: {exc}"
 
 
 def training_options(ort: Any, *, runs_torch: bool) -> Any:

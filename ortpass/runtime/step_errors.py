@@ -1,0 +1,40 @@
+"""What a failed ONNX Runtime step raises: ORT's message, with the real error of a failing
+PythonOp (ORT reports only a generic one), or an :class:`~ortpass.errors.IndexRangeError`
+naming the label or id a ``check-index-ranges`` node refused."""
+
+from __future__ import annotations
+
+import sys
+
+from ortpass.conventions import INDEX_CHECK_PREFIX
+from ortpass.errors import IndexRangeError, OrtpassError
+
+__all__ = ["ort_error", "step_error", "take_runner_error"]
+
+
+def take_runner_error() -> BaseException | None:
+    """The error a PythonOp's torch code raised in the last step, if any (then forgotten)."""
+    # Only models with PythonOps load the bridge; don't import torch for the others.
+    bridge = sys.modules.get("ortpass.pythonop.bridge")
+    return bridge.last_runner_error(clear=True) if bridge is not None else None
+
+
+def step_error(exc: BaseException) -> OrtpassError:
+    """The error to raise for a step ORT failed: an :class:`IndexRangeError` naming what the
+    batch holds when a ``check-index-ranges`` node refused it, else ORT's own message."""
+    message = ort_error(exc)
+    start = message.find(f"Name:'{INDEX_CHECK_PREFIX}")
+    if start >= 0:
+        start += len("Name:'")
+        refused = message[start : message.find("'", start)].removeprefix(INDEX_CHECK_PREFIX)
+        return IndexRangeError(f"the batch holds {refused}: torch raises IndexError for it, and so does ortpass (ONNX "
+                               f"Runtime's kernels would read some such indices without a word). ONNX Runtime: {message}")  # fmt: skip
+    return OrtpassError(f"the training step failed on ONNX Runtime: {message}")
+
+
+def ort_error(exc: BaseException) -> str:
+    """ORT reports a failing PythonOp runner only as a generic error; the bridge kept the real one."""
+    runner_error = take_runner_error()
+    if runner_error is not None:
+        return f"a PythonOp's torch code raised {type(runner_error).__name__}: {runner_error}"
+    return f"{type(exc).__name__}: {exc}"
