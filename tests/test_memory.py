@@ -55,6 +55,8 @@ def test_evaluate_and_static_numel():
     assert evaluate(expr, {"a": 2, "b": 3}) == 640 * 2 * 9
     assert evaluate(expr, {"a": 2}) is None
     assert evaluate(sympy.Integer(12), None) == 12
+    # A bare symbol (a rank-1 bool of n elements is n bytes): xreplace returns the bound value itself.
+    assert evaluate(dim_symbol("n"), {"n": 7}) == 7
     assert static_numel(_value([2, 3])) == 6 and static_numel(_value(["b", 3])) is None
 
 

@@ -140,7 +140,8 @@ def evaluate(expr: sympy.Expr | None, dims: Mapping[str, int] | None) -> int | N
         return None
     if isinstance(expr, sympy.Rational):  # a number (every static size): no symbols to bind
         return -(-expr.p // expr.q)
-    bindings = {s: int(dims[s.name]) for s in expr.free_symbols if dims and s.name in dims}
+    bindings = {s: sympy.Integer(dims[s.name]) for s in expr.free_symbols if dims and s.name in dims}
+    # sympy Integers, not ints: a bare symbol's xreplace returns the bound value itself.
     result = expr.xreplace(bindings) if bindings else expr
     if result.free_symbols:
         return None
