@@ -17,6 +17,7 @@ import torch
 
 import ortpass
 from ortpass.analysis.partition import get_training_info
+from ortpass.errors import IndexRangeError
 from ortpass.export import export
 from ortpass.passes import DEFAULT_PIPELINE, ChunkLmHeadLossPass
 from ortpass.runtime import TrainingSession
@@ -83,7 +84,7 @@ def _widest_float_value(model: ir.Model) -> int:
     widths = [
         v.shape[-1] for n in model.graph for v in n.outputs
         if v.dtype == ir.DataType.FLOAT and v.shape is not None and v.shape.rank() >= 2 and isinstance(v.shape[-1], int)
-        and not (isinstance(v.shape[0], int) and v.shape[0] in (HIDDEN, VOCAB))  # weights and their gradients
+        and not (isinstance(v.shape[0], int) and v.shape[0] in (1, HIDDEN, VOCAB))  # weights, biases and their gradients
     ]  # fmt: skip
     return max(widths)
 
@@ -273,14 +274,15 @@ def test_a_z_loss_leaves_the_loss_unchunked():
 def test_a_label_outside_the_vocabulary_fails_as_in_torch(bad):
     """torch refuses such a label; ORT 1.19.2's SoftmaxCrossEntropyLoss returns a loss
     without a word (measured: 8.92 for label 53 of 50).  The chunked loss refuses it in the
-    Gather of the label's weight row, the index named."""
+    Gather of the label's weight row, as an IndexRangeError (an IndexError) with ORT's
+    message and the index in it."""
     module = TinyLM("tied")
     model, _ = _chunked(module)
     ids, labels = _args()
     labels[0, 0] = bad
     with pytest.raises(IndexError, match="out of bounds"):
         module(ids, labels)
-    with pytest.raises(Exception, match=f"idx={VOCAB if bad < 0 else bad} must be within"):
+    with pytest.raises(IndexRangeError, match=rf"a label outside \[0, {VOCAB}\) that is not ignore_index {IGNORE}(.|\n)*idx={VOCAB if bad < 0 else bad} must be within"):
         TrainingSession(model).run({"ids": ids.numpy(), "labels": labels.numpy()})
 
 
@@ -353,3 +355,75 @@ def test_ortmodule_trains_like_torch_with_the_loss_chunked_as_batch_and_sequence
     assert graphs and all(g.report["chunk-lm-head-loss"].stats.get("counts", {}).get("losses chunked") == 1 for g in graphs), [g.report["chunk-lm-head-loss"].stats for g in graphs]
     gathered = [g.report["insert-gather-before-sce-loss"].stats.get("counts", {}).get("losses rewritten") for g in graphs]
     assert 1 in gathered, gathered
+
+
+# -- the torch builder (stock onnxruntime) ------------------------------------------------------
+
+
+def _from_torch(module: torch.nn.Module, args=None) -> ir.Model:
+    from ortpass.training import build_training_graph_from_torch
+
+    torch.manual_seed(0)
+    dynamic = {name: {0: "batch", 1: "seq"} for name in ("ids", "labels")}
+    return build_training_graph_from_torch(module, args or _args(), input_names=["ids", "labels"], dynamic_axes=dynamic)
+
+
+@pytest.mark.stock
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("head", ["tied", "linear", "biased", "hidden_by_vocab"])
+def test_the_torch_builders_loss_is_chunked_and_matches_torch(head, reduction):
+    """The torch builder writes cross-entropy as LogSoftmax, GatherElements and arithmetic,
+    not SoftmaxCrossEntropyLoss: the pass recognizes that chain as the same loss."""
+    torch.manual_seed(0)
+    module = TinyLM(head, reduction)
+    pass_ = ChunkLmHeadLossPass(chunk=CHUNK)
+    model = pass_(_from_torch(module)).model
+    assert pass_.stats["counts"]["losses chunked"] == 1, pass_.stats
+    assert not {n.op_type for n in model.graph} & {"LogSoftmax", "GatherElements"}
+    assert _widest_float_value(model) == CHUNK
+    for args in (_args(), _sparse_args(seed=4, batch=3, seq=5)):
+        check_parity(module, args, model, input_names=["ids", "labels"]).assert_ok()
+
+
+class ScaledSumLM(TinyLM):
+    """A summed loss divided by a number that is not the count of valid labels (Hugging
+    Face's ``num_items_in_batch``): not a mean, so not the chain the pass rewrites."""
+
+    def forward(self, ids, labels):
+        return super().forward(ids, labels) / 7.0
+
+
+@pytest.mark.stock
+def test_a_sum_divided_by_another_count_is_left_alone():
+    module = ScaledSumLM("tied", "sum")
+    pass_ = ChunkLmHeadLossPass(chunk=CHUNK)
+    result = pass_(_from_torch(module))
+    assert not result.modified and "losses chunked" not in pass_.stats.get("counts", {})
+    check_parity(module, _args(), result.model, input_names=["ids", "labels"]).assert_ok()
+
+
+@pytest.mark.stock
+def test_ortmodule_on_the_torch_builder_trains_like_torch_with_the_loss_chunked():
+    import copy
+
+    torch.manual_seed(0)
+    module = TinyLM("linear")
+    reference = copy.deepcopy(module)
+    pipeline = DEFAULT_PIPELINE.replace("chunk-lm-head-loss,", f"chunk-lm-head-loss(chunk={CHUNK}),")
+    wrapped = ortpass.ORTModule(module, pipeline=pipeline, builder="torch")
+    generator = torch.Generator().manual_seed(3)
+    for batch, seq in ((2, 8), (3, 5), (1, 12)):
+        ids = torch.randint(0, VOCAB, (batch, seq), generator=generator)
+        labels = torch.randint(0, VOCAB, (batch, seq), generator=generator)
+        labels[0, 0] = IGNORE
+        for m in (wrapped, reference):
+            m.zero_grad(set_to_none=True)
+        ours, theirs = wrapped(ids, labels), reference(ids, labels)
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+        ours.backward()
+        theirs.backward()
+        for (name, p), q in zip(wrapped.module.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+    labels[0, 1] = VOCAB + 3
+    with pytest.raises(IndexError, match=f"outside \\[0, {VOCAB}\\)"):
+        wrapped(ids, labels)

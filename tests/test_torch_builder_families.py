@@ -40,3 +40,18 @@ def test_shapes_changing_every_step_train_like_torch(name):
 def test_loss_computed_in_torch_from_the_logits(name):
     wrapped = train_side_by_side(_model(name), loss_from_logits, _batches(FAMILIES[name].labels), builder="torch")
     assert wrapped.transitions.current_graph.kind == "split"
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "t5"])
+def test_the_loss_chunked_in_vocabulary_slices_trains_like_torch(name):
+    """chunk-lm-head-loss recognizes the torch builder's LogSoftmax chain: forced to
+    narrow slices on the suite's vocabulary of 1000, every family here trains like torch
+    (causal, masked-LM with a biased head, and a seq2seq head; the logits returned).
+    Not BART: its ``final_logits_bias`` is added after the head's Reshape to batch x
+    sequence, where the pass looks for a bare head (it skips, saying so)."""
+    from ortpass.passes import DEFAULT_PIPELINE
+
+    pipeline = DEFAULT_PIPELINE.replace("chunk-lm-head-loss,", "chunk-lm-head-loss(chunk=256),")
+    wrapped = train_side_by_side(_model(name), loss_from_labels, _batches(FAMILIES[name].labels), builder="torch", pipeline=pipeline)
+    stats = wrapped.transitions.current_graph.report["chunk-lm-head-loss"].stats
+    assert stats["counts"].get("losses chunked") == 1, stats

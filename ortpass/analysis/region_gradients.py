@@ -34,13 +34,16 @@ def region_backward(
     scales its hidden state before the head, and that scale's gradient belongs to the rest
     of the graph.  (Shape alone would not do: at rows == hidden the logits' gradient is
     shaped like a hidden x vocabulary weight.)  So is a value shaped like the bias (the
-    third operand, if any), whose gradient sums the logits' gradient over the rows."""
+    third operand, if any), whose gradient sums the logits' gradient over the rows.  Only
+    values computed from the seed are gradients: the torch builder's backward transposes
+    the head's transposed weight back, a weight-shaped value that stays a member's."""
     members: list[ir.Node] = []
     own = {out for node in region for out in node.outputs} | {seed}
+    seeded = {seed}  # values computed from the seed: only those can be gradients
     derived: set[ir.Value] = set()
     from_operands = set(operands) | {out for node in region if node.op_type == "Transpose" for out in node.outputs}
     for node in graph:
-        if node in region:
+        if node in region or seed in node.outputs:  # the torch builder computes the seed from the loss
             continue
         inputs = [v for v in node.inputs if v is not None]
         plain = [v for v in inputs if v not in own]
@@ -49,7 +52,9 @@ def region_backward(
                 members.append(node)
                 if any(v in from_operands for v in inputs):
                     from_operands.update(node.outputs)
-                own.update(v for v in node.outputs if not _hands_on(v, operands, from_operands))
+                if any(v in seeded for v in inputs):
+                    seeded.update(node.outputs)
+                own.update(v for v in node.outputs if v not in seeded or not _hands_on(v, operands, from_operands))
         elif inputs and all(v in boundary or v in derived or _is_constant(v, graph) for v in inputs):
             derived.update(node.outputs)
             if any(v in from_operands for v in inputs):

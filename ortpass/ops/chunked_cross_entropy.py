@@ -38,6 +38,7 @@ import numpy as np
 import onnx_ir as ir
 
 from ortpass.analysis.partition import tag
+from ortpass.conventions import INDEX_CHECK_PREFIX
 from ortpass.graph.names import NameAllocator
 
 __all__ = ["ChunkedLossValues", "HeadLoss", "vocab_slices", "write_chunked_loss"]
@@ -163,15 +164,19 @@ def write_chunked_loss(head: HeadLoss, chunk: int, names: NameAllocator, *, pref
     checked = w.op("Where", [negative, w.ints([head.vocab], "vocab_size"), target], name="checked_label", shape=column, dtype=i64)
     flat_checked = w.op("Squeeze", [checked, w.ints([1], "squeeze_axis")], name="checked_label_flat", shape=[n], dtype=i64)
     vocab_axis = 0 if head.weight_rows_are_vocab else 1
+    # Named for what they refuse: the runtime turns ORT's error in them into IndexRangeError.
+    refused = f"{INDEX_CHECK_PREFIX}a label outside [0, {head.vocab})"
+    if head.ignore_index is not None:
+        refused += f" that is not ignore_index {head.ignore_index}"
     if head.weight_rows_are_vocab:
-        target_rows = w.op("Gather", [head.weight, flat_checked], {"axis": 0}, name="target_weights", shape=rows_by_hidden, dtype=f)
+        target_rows = w.op("Gather", [head.weight, flat_checked], {"axis": 0}, name=refused, shape=rows_by_hidden, dtype=f)
     else:
-        gathered = w.op("Gather", [head.weight, flat_checked], {"axis": 1}, name="target_weights", shape=[hidden_size, n], dtype=f)
+        gathered = w.op("Gather", [head.weight, flat_checked], {"axis": 1}, name=refused, shape=[hidden_size, n], dtype=f)
         target_rows = w.op("Transpose", [gathered], {"perm": [1, 0]}, name="target_weights_rows", shape=rows_by_hidden, dtype=f)
     products = w.op("Mul", [hidden, target_rows], name="target_products", shape=rows_by_hidden, dtype=f)
     target_logit = w.reduce("ReduceSum", products, [1], "target_logit")
     if head.bias is not None:
-        target_bias = w.op("Gather", [head.bias, checked], {"axis": 0}, name="target_bias", shape=column, dtype=f)
+        target_bias = w.op("Gather", [head.bias, checked], {"axis": 0}, name=f"{refused} (bias)", shape=column, dtype=f)
         target_logit = w.op("Add", [target_logit, target_bias], name="target_logit_biased", shape=column, dtype=f)
     trans_b = int(head.weight_rows_are_vocab)
 

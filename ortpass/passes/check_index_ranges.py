@@ -33,7 +33,12 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
-from ortpass.analysis.partition import get_training_info, is_backward, is_training_graph, tag
+from ortpass.analysis.partition import (
+    get_training_info,
+    is_backward,
+    is_training_graph,
+    tag,
+)
 from ortpass.conventions import INDEX_CHECK_PREFIX, is_onnx_domain
 from ortpass.graph.names import NameAllocator
 from ortpass.infra.base import OrtPass

@@ -10,13 +10,14 @@ stock onnxruntime too): ``rows x chunk`` logits at a time, the vocabulary's slic
 recomputed in backward.  The same idea as Liger-Kernel's fused linear cross-entropy and
 Cut Cross-Entropy, written as a graph rewrite.
 
-Rule.  A ``SoftmaxCrossEntropyLoss`` (ai.onnx, or ORT's ``...Internal``) ``L`` whose loss is
-the training graph's loss is rewritten when all of:
+Rule.  A ``SoftmaxCrossEntropyLoss`` (ai.onnx, or ORT's ``...Internal``), or the torch
+builder's ``LogSoftmax`` chain for the same loss (:mod:`ortpass.ops.torch_nll_loss`), ``L``
+whose loss is the training graph's loss is rewritten when all of:
 
 1. ``reduction`` is ``mean`` or ``sum``, there are no class weights, ``ignore_index`` is known;
 2. its logits come from ``MatMul(h, B)`` or ``Gemm(h, B[, c])`` (no ``transA``, alpha and
-   beta 1), with or without an ``Add`` of a bias (a weight, ``V`` or ``1 x V``), through at
-   most one ``Reshape`` to rows x vocabulary, then at most one ``ShrunkenGather`` of the
+   beta 1), with or without an ``Add`` of a bias (a weight, ``V`` or ``1 x V``), through
+   one or more ``Reshape`` to rows x vocabulary, then at most one ``ShrunkenGather`` of the
    rows whose label is not ignored (``insert-gather-before-sce-loss``); ``B`` is
    ``Transpose(W)`` (read by nothing else in forward) or a weight itself; the weight's
    shape is static;
@@ -57,18 +58,14 @@ from ortpass.analysis.region_gradients import (
     gradients_handed_on,
     region_backward,
 )
-from ortpass.conventions import MS_DOMAIN, is_onnx_domain
+from ortpass.conventions import is_onnx_domain
 from ortpass.graph.names import NameAllocator
 from ortpass.infra.base import OrtPass
 from ortpass.infra.metadata import get_export_info
 from ortpass.infra.registry import register_pass
 from ortpass.ops.chunked_cross_entropy import HeadLoss, write_chunked_loss
-from ortpass.ops.sce_loss import (
-    LABEL_TYPES,
-    is_sce_loss,
-    sce_ignore_index,
-    sce_reduction,
-)
+from ortpass.ops.loss_side import LossSide, UnsupportedLoss, loss_side
+from ortpass.ops.sce_loss import LABEL_TYPES
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "ChunkLmHeadLossPass"]
 
@@ -82,14 +79,14 @@ _CHUNK_GRANULE = 256
 _FLOAT_TYPES = frozenset({ir.DataType.FLOAT, ir.DataType.DOUBLE})
 
 
-class _Skip(Exception):
+class _Skip(UnsupportedLoss):
     """A loss that is not rewritten, and why."""
 
 
 @dataclasses.dataclass
 class _Match:
     loss: ir.Node
-    region: list[ir.Node]  # forward: [Transpose], head, [bias Add], [Reshape], [row ShrunkenGather], loss
+    region: list[ir.Node]  # forward: [Transpose], head, [bias Add], Reshapes, the loss side (LossSide.nodes)
     removed: list[ir.Node]  # the region's nodes the rewrite removes: all, or the loss alone when the logits are kept
     backward: list[ir.Node]  # the loss's backward, in graph order
     head: HeadLoss
@@ -128,11 +125,11 @@ class ChunkLmHeadLossPass(OrtPass):
         info = get_training_info(model)
         matches = []
         for node in model.graph:
-            if not is_sce_loss(node, model):
-                continue
             try:
-                matches.append(self._match(model, node, info))
-            except _Skip as why:
+                side = loss_side(node, model, info.loss)
+                if side is not None:
+                    matches.append(self._match(model, side, info))
+            except UnsupportedLoss as why:
                 self.count("losses skipped")
                 self.note("skipped", {"loss": node.name, "reason": str(why)})
                 logger.debug("not chunking %s: %s", node.name, why)
@@ -141,22 +138,14 @@ class ChunkLmHeadLossPass(OrtPass):
         return ir.passes.PassResult(model, modified=bool(matches))
 
     # -- matching ---------------------------------------------------------------------------
-    def _match(self, model: ir.Model, loss: ir.Node, info: TrainingInfo) -> _Match:
-        reduction, ignore_index = _loss_settings(loss, info.loss)
-        logits_rows, labels = loss.inputs[0], loss.inputs[1]
+    def _match(self, model: ir.Model, side: LossSide, info: TrainingInfo) -> _Match:
+        loss, logits_rows, labels, row_indices = side.loss, side.logits, side.labels, side.row_indices
         if labels is None or labels.dtype not in LABEL_TYPES or labels.shape is None or labels.shape.rank() != 1:
             raise _Skip("labels are not a rank-1 tensor of class indices")
-        row_gather, row_indices = _row_gather_of(logits_rows)
-        if row_gather is not None:
-            logits_rows = row_gather.inputs[0]
         if logits_rows.shape is None or logits_rows.shape.rank() != 2:
             raise _Skip("the loss's logits are not rank 2 with a known shape")
-        reshape = logits_rows.producer()
-        logits = logits_rows
-        if reshape is not None and reshape.op_type == "Reshape":
-            logits = reshape.inputs[0]
-        else:
-            reshape = None
+        reshapes, chain = _reshapes_above(logits_rows)
+        logits = chain[-1]
         head, bias_add, bias = _head_of(logits)
         hidden, projection = head.inputs[0], head.inputs[1]
         weight, rows_are_vocab, transpose = self._weight_of(head, projection)
@@ -168,14 +157,16 @@ class ChunkLmHeadLossPass(OrtPass):
             raise _Skip(f"the head computes in {dtype}; float32 and float64 are handled")
         if bias is not None and (bias.shape is None or list(bias.shape) not in ([vocab], [1, vocab])):
             raise _Skip("the head's bias is not one value per vocabulary entry")
-        if hidden.shape is None or (hidden.shape.rank() != 2 and reshape is None):
+        if hidden.shape is None or (hidden.shape.rank() != 2 and not reshapes):
             raise _Skip("the head's input is not rows x hidden and no Reshape flattens the logits")
+        if logits_rows.shape[1] != vocab:
+            raise _Skip(f"the loss's logits have {logits_rows.shape[1]} columns, not the head's vocabulary {vocab}")
         rows = logits_rows.shape[0]
         chunk = self.chunk or _chunk_columns(rows, dtype, get_export_info(model).get("dims"))
         if vocab <= chunk:
             raise _Skip(f"vocabulary {vocab} fits one chunk of {chunk} columns")
-        region = [n for n in (transpose, head, bias_add, reshape, row_gather, loss) if n is not None]
-        kept = _returned_logits(region, logits, logits_rows)
+        region = [n for n in (transpose, head, bias_add) if n is not None] + reshapes + side.nodes
+        kept = _returned_logits(region, chain)
         seed = _value_named(model.graph, info.loss_gradient)  # _loss_settings checked info.loss
         if seed is None:
             raise _Skip(f"the loss's gradient {info.loss_gradient} is not in the graph")
@@ -188,10 +179,10 @@ class ChunkLmHeadLossPass(OrtPass):
             raise _Skip(str(why)) from None
         loss_head = HeadLoss(
             hidden=hidden, rows=rows, weight=weight, weight_rows_are_vocab=rows_are_vocab, vocab=vocab, labels=labels,
-            ignore_index=ignore_index, reduction=reduction, loss_grad=seed, dtype=dtype, bias=bias,
+            ignore_index=side.ignore_index, reduction=side.reduction, loss_grad=seed, dtype=dtype, bias=bias,
             bias_trains=handed[2] is not None, logits=logits_rows if kept else None, row_indices=row_indices,
         )  # fmt: skip
-        removed = [n for n in (row_gather, loss) if n is not None] if kept else region
+        removed = side.nodes if kept else region
         return _Match(loss, region, removed, backward, loss_head, chunk, hidden if hidden.shape.rank() != 2 else None, *handed)
 
     @staticmethod
@@ -268,42 +259,25 @@ class _NodeWriter:
         return out
 
 
-def _returned_logits(region: list[ir.Node], logits: ir.Value, logits_rows: ir.Value) -> frozenset[ir.Value]:
-    """The logits (as the head wrote them, and as rows) when the graph returns them or a
-    forward node outside the region reads them: they are computed whole anyway, and the
-    chunked loss slices them instead of computing them again."""
-    outside = [v for v in (logits, logits_rows) if v.is_graph_output() or any(
+def _reshapes_above(logits_rows: ir.Value) -> tuple[list[ir.Node], list[ir.Value]]:
+    """The Reshapes between the head and the loss's rows (in graph order; the torch builder
+    writes two, to batch x sequence and back), and the values along them, rows first."""
+    reshapes, chain = [], [logits_rows]
+    node = logits_rows.producer()
+    while node is not None and node.op_type == "Reshape" and is_onnx_domain(node.domain):
+        reshapes.insert(0, node)
+        chain.append(node.inputs[0])
+        node = node.inputs[0].producer()
+    return reshapes, chain
+
+
+def _returned_logits(region: list[ir.Node], chain: list[ir.Value]) -> frozenset[ir.Value]:
+    """The logits (as the head wrote them, reshaped, and as rows) when the graph returns
+    them or a forward node outside the region reads them: they are computed whole anyway,
+    and the chunked loss slices them instead of computing them again."""
+    outside = [v for v in chain if v.is_graph_output() or any(
         user not in region and not is_backward(user) for user, _ in v.uses())]  # fmt: skip
-    return frozenset({logits, logits_rows}) if outside else frozenset()
-
-
-def _loss_settings(loss: ir.Node, loss_name: str | None) -> tuple[str, int | None]:
-    """The loss's reduction and ignore_index, when the pass can rewrite it."""
-    reduction = sce_reduction(loss)
-    if reduction not in ("mean", "sum"):
-        raise _Skip(f"reduction {reduction!r}: only mean and sum keep the loss a scalar")
-    if loss_name is None or loss.outputs[0].name != loss_name:
-        raise _Skip("not the training graph's loss")
-    if len(loss.inputs) > 2 and loss.inputs[2] is not None:
-        raise _Skip("class weights")
-    if loss.op_type == "SoftmaxCrossEntropyLoss":
-        return reduction, loss.attributes.get_int("ignore_index", None)
-    ignore_index, reason = sce_ignore_index(loss)
-    if ignore_index is None:
-        raise _Skip(reason)
-    return reduction, ignore_index
-
-
-def _row_gather_of(logits: ir.Value) -> tuple[ir.Node | None, ir.Value | None]:
-    """The ``ShrunkenGather`` of the valid label rows between the logits and the loss (see
-    ``insert-gather-before-sce-loss``), and its row indices, if there is one."""
-    gather = logits.producer()
-    if gather is None or gather.op_type != "ShrunkenGather" or gather.domain != MS_DOMAIN:
-        return None, None
-    indices = gather.inputs[1]
-    if indices is None or indices.shape is None or indices.shape.rank() != 1 or indices.dtype != ir.DataType.INT64:
-        raise _Skip("the rows gathered before the loss are not a rank-1 int64 index")
-    return gather, indices
+    return frozenset(chain) if outside else frozenset()
 
 
 def _head_of(logits: ir.Value | None) -> tuple[ir.Node, ir.Node | None, ir.Value | None]:

@@ -23,10 +23,10 @@ def step_error(exc: BaseException) -> OrtpassError:
     """The error to raise for a step ORT failed: an :class:`IndexRangeError` naming what the
     batch holds when a ``check-index-ranges`` node refused it, else ORT's own message."""
     message = ort_error(exc)
-    start = message.find(f"Name:'{INDEX_CHECK_PREFIX}")
-    if start >= 0:
-        start += len("Name:'")
-        refused = message[start : message.find("'", start)].removeprefix(INDEX_CHECK_PREFIX)
+    start = message.find("Name:'")
+    name = message[start + len("Name:'") : message.find("'", start + len("Name:'"))] if start >= 0 else ""
+    if INDEX_CHECK_PREFIX in name:
+        refused = name[name.index(INDEX_CHECK_PREFIX) + len(INDEX_CHECK_PREFIX) :].removesuffix(" (bias)")
         return IndexRangeError(f"the batch holds {refused}: torch raises IndexError for it, and so does ortpass (ONNX "
                                f"Runtime's kernels would read some such indices without a word). ONNX Runtime: {message}")  # fmt: skip
     return OrtpassError(f"the training step failed on ONNX Runtime: {message}")
