@@ -38,10 +38,14 @@ peak reads near 0).  Step time comes from a second fresh process per configurati
 the settings a user runs (glibc's defaults, ORTModule's own session options); it loads the
 graph the memory run built from ORTModule's ``cache_dir`` instead of exporting again.
 
+``--masked-prompt F`` sets the labels of the first fraction ``F`` of each row to -100, as
+instruction tuning masks the prompt: the export then gathers the valid label rows before
+the loss.
+
 Usage: ``python benchmarks/hf_memory.py --real-width [--models gpt2 llama] [--seq 512]
-[--steps 4] [--only KEY ...]`` (or this script with the same arguments).  Writes
-``hf_memory_real_width[_seq<N>].json`` and ``.md`` next to this script (``_<model>`` added
-for one model alone); ``--only`` and ``ORTPASS_BENCH_TINY=1`` (the smoke run: 2 layers,
+[--steps 4] [--masked-prompt F] [--only KEY ...]`` (or this script with the same
+arguments).  Writes ``hf_memory_real_width[_seq<N>][_masked<P>].json`` and ``.md`` next to
+this script (``_<model>`` added for one model alone); ``--only`` and ``ORTPASS_BENCH_TINY=1`` (the smoke run: 2 layers,
 hidden 64, vocab 3000, seq 64) print and record nothing.
 """
 
@@ -139,8 +143,9 @@ def build_model(family: str, seq: int):
     raise ValueError(f"unknown model family {family!r}: gpt2 or llama")
 
 
-def child_prepare(work: Path, family: str, seq: int) -> dict:
-    """Draw the weights and the batch every configuration child loads."""
+def child_prepare(work: Path, family: str, seq: int, prompt: int = 0) -> dict:
+    """Draw the weights and the batch every configuration child loads; the first ``prompt``
+    labels of each row are -100 (a masked prompt, as in instruction tuning)."""
     import numpy as np
     import torch
 
@@ -148,7 +153,9 @@ def child_prepare(work: Path, family: str, seq: int) -> dict:
     model = build_model(family, seq)
     vocab = model.config.vocab_size
     ids = np.random.default_rng(0).integers(0, vocab, (BATCH, seq))
-    np.savez(work / "batch.npz", input_ids=ids, attention_mask=np.ones_like(ids), labels=ids)
+    labels = ids.copy()
+    labels[:, :prompt] = -100
+    np.savez(work / "batch.npz", input_ids=ids, attention_mask=np.ones_like(ids), labels=labels)
     torch.save(model.state_dict(), work / "weights.pt")
     config = model.config
     dropouts = [getattr(config, n, 0.0) or 0.0 for n in ("resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_dropout")]
@@ -253,6 +260,7 @@ def child_wrapper(work: Path, family: str, seq: int, key: str, steps: int) -> di
         model = _LossOnly(model)
     # One cache per row: the timing run loads the graph the memory run built.
     wrapped = ortpass.ORTModule(model, pipeline=pipeline, cache_dir=work / f"cache_{family}_{key}")
+    said = _pass_messages("insert_gather_before_sce_loss", "chunk_lm_head_loss")
     losses: list[float] = []
     if key == "wrapper_loss_only":
         step = _training_step(wrapped, lambda: wrapped(**batch), losses)
@@ -262,8 +270,26 @@ def child_wrapper(work: Path, family: str, seq: int, key: str, steps: int) -> di
     result = _measure(step, steps)
     result.update(loss=losses[0], graph_builds=wrapped.graph_builds, pipeline=wrapped.pipeline,
                   removed_passes=removed, sessions_without_arena=len(without_arena),
-                  torch_threads=torch.get_num_threads())
+                  torch_threads=torch.get_num_threads(), loss_passes_said=said)
     return result
+
+
+def _pass_messages(*modules: str) -> list[str]:
+    """What the loss passes log while the graph is built (a label gather inserted, a loss
+    chunked or skipped and why), kept in the record: which path each row took."""
+    import logging
+
+    said: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record.getMessage())
+
+    for module in modules:
+        logger = logging.getLogger(f"ortpass.passes.{module}")
+        logger.setLevel(logging.DEBUG)
+        logger.addHandler(Keep())
+    return said
 
 
 def child_torch(work: Path, family: str, seq: int, key: str, steps: int) -> dict:
@@ -361,8 +387,9 @@ def _versions() -> dict:
     return versions
 
 
-def run(families: list[str], seq: int, steps: int, only: list[str] | None = None) -> dict:
+def run(families: list[str], seq: int, steps: int, only: list[str] | None = None, prompt: int = 0) -> dict:
     results: dict = {
+        "masked_prompt": prompt,
         "models": {"gpt2": GPT2, "llama": LLAMA},
         "batch": BATCH,
         "seq": seq,
@@ -377,7 +404,7 @@ def run(families: list[str], seq: int, steps: int, only: list[str] | None = None
         with tempfile.TemporaryDirectory(prefix=f"hf_memory_real_width_{family}_") as tmp:
             work = Path(tmp)
             print(f"[{family}] preparing weights and batch", flush=True)
-            entry = {"prepare": _child("prepare", str(work), family, str(seq)), "configs": {}}
+            entry = {"prepare": _child("prepare", str(work), family, str(seq), str(prompt)), "configs": {}}
             for key, label, kind in CONFIGS:
                 if only and key not in only:
                     continue
@@ -391,6 +418,11 @@ def run(families: list[str], seq: int, steps: int, only: list[str] | None = None
 
 
 # -- the record --------------------------------------------------------------------------------
+
+
+def _masked(results: dict) -> str:
+    prompt = results.get("masked_prompt", 0)
+    return f", the first {prompt} of each row -100 (a masked prompt)" if prompt else ""
 
 
 def _cell(cfg: dict | None) -> str:
@@ -409,7 +441,7 @@ def markdown(results: dict) -> str:
         (f"GPT-2: {g['layers']} layers, hidden {g['hidden']}, {g['heads']} heads, vocab {g['vocab']}, dropout 0.1. "
         f"LLaMA: {lm['layers']} layers, hidden {lm['hidden']}, {lm['heads']} heads, MLP {lm['mlp']}, vocab "
         f"{lm['vocab']} (LLaMA-3's). Batch {results['batch']}, seq {results['seq']}, attention_mask of ones, labels = "
-        f"input_ids; one training step on CPU ({results['cpus']} cores), gradients allocated by the step. Step peak "
+        f"input_ids{_masked(results)}; one training step on CPU ({results['cpus']} cores), gradients allocated by the step. Step peak "
         "above the RSS after setup and a warm-up step, each configuration in a fresh process (glibc mmap threshold "
         f"64 KiB, ORT's arena off); step time: fastest of {results['steps_timed']} warm steps in another fresh process "
         "with the settings a user runs. Load average before/after: "
@@ -500,7 +532,7 @@ def main(argv: list[str] | None = None) -> None:
         kind, work, family, seq, *rest = argv[1:]
         path = Path(work)
         if kind == "prepare":
-            out = child_prepare(path, family, int(seq))
+            out = child_prepare(path, family, int(seq), int(rest[0]) if rest else 0)
         elif kind == "wrapper":
             out = child_wrapper(path, family, int(seq), rest[0], int(rest[1]))
         else:
@@ -511,15 +543,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--models", nargs="+", default=["gpt2", "llama"], choices=["gpt2", "llama"])
     parser.add_argument("--seq", type=int, default=512, choices=SEQS)
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--masked-prompt", type=float, default=0.0, metavar="FRACTION",
+                        help="labels -100 over this first fraction of each row (an instruction-tuning prompt)")
     parser.add_argument("--only", nargs="+", choices=[key for key, _, _ in CONFIGS],
                         help="run these configurations only; prints them and records nothing")
     args = parser.parse_args(argv)
     seq = TINY_SEQ if TINY else args.seq
-    results = run(args.models, seq, args.steps, args.only)
+    prompt = int(round(args.masked_prompt * seq))
+    results = run(args.models, seq, args.steps, args.only, prompt)
     if args.only or TINY:  # a partial or smoke run keeps the full run's record
         print(markdown(results))
         return
     stem = "hf_memory_real_width" if seq == 512 else f"hf_memory_real_width_seq{seq}"
+    if prompt:
+        stem += f"_masked{round(100 * args.masked_prompt)}"
     if args.models != ["gpt2", "llama"]:
         stem += "_" + "_".join(args.models)
     rm.record(HERE / stem, results, markdown(results))
