@@ -42,13 +42,12 @@ def test_loss_computed_in_torch_from_the_logits(name):
     assert wrapped.transitions.current_graph.kind == "split"
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "t5"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "t5", "bart"])
 def test_the_loss_chunked_in_vocabulary_slices_trains_like_torch(name):
     """chunk-lm-head-loss recognizes the torch builder's LogSoftmax chain: forced to
     narrow slices on the suite's vocabulary of 1000, every family here trains like torch
-    (causal, masked-LM with a biased head, and a seq2seq head; the logits returned).
-    Not BART: its ``final_logits_bias`` is added after the head's Reshape to batch x
-    sequence, where the pass looks for a bare head (it skips, saying so)."""
+    (causal, masked-LM with a biased head, seq2seq heads, BART's ``final_logits_bias``
+    added to the batch x sequence logits; the logits returned)."""
     from ortpass.passes import DEFAULT_PIPELINE
 
     pipeline = DEFAULT_PIPELINE.replace("chunk-lm-head-loss,", "chunk-lm-head-loss(chunk=256),")

@@ -146,7 +146,7 @@ class ChunkLmHeadLossPass(OrtPass):
             raise _Skip("the loss's logits are not rank 2 with a known shape")
         reshapes, chain = _reshapes_above(logits_rows)
         logits = chain[-1]
-        head, bias_add, bias = _head_of(logits)
+        head, bias_add, bias, inner = _head_of(logits)
         hidden, projection = head.inputs[0], head.inputs[1]
         weight, rows_are_vocab, transpose = self._weight_of(head, projection)
         if weight.shape is None or not weight.shape.is_static() or weight.shape.rank() != 2:
@@ -165,7 +165,7 @@ class ChunkLmHeadLossPass(OrtPass):
         chunk = self.chunk or _chunk_columns(rows, dtype, get_export_info(model).get("dims"))
         if vocab <= chunk:
             raise _Skip(f"vocabulary {vocab} fits one chunk of {chunk} columns")
-        region = [n for n in (transpose, head, bias_add) if n is not None] + reshapes + side.nodes
+        region = [n for n in (transpose, head) if n is not None] + inner + ([bias_add] if bias_add is not None else []) + reshapes + side.nodes
         kept = _returned_logits(region, chain)
         seed = _value_named(model.graph, info.loss_gradient)  # _loss_settings checked info.loss
         if seed is None:
@@ -280,21 +280,28 @@ def _returned_logits(region: list[ir.Node], chain: list[ir.Value]) -> frozenset[
     return frozenset(chain) if outside else frozenset()
 
 
-def _head_of(logits: ir.Value | None) -> tuple[ir.Node, ir.Node | None, ir.Value | None]:
-    """The MatMul or Gemm the logits come from, the Add of its bias, and the bias."""
+def _head_of(logits: ir.Value | None) -> tuple[ir.Node, ir.Node | None, ir.Value | None, list[ir.Node]]:
+    """The MatMul or Gemm the logits come from, the Add of its bias, the bias, and the
+    Reshapes between the head and that Add (the torch builder adds BART's
+    ``final_logits_bias`` to batch x sequence logits)."""
     node = logits.producer() if logits is not None else None
     if node is not None and node.op_type == "Add" and is_onnx_domain(node.domain):
         for product, bias in (node.inputs, reversed(node.inputs)):
-            head = product.producer() if product is not None else None
-            if head is None or head.op_type not in ("MatMul", "Gemm") or not _is_weight_like(bias):
+            if product is None or not _is_weight_like(bias):
                 continue
-            if [n for n, _ in product.uses() if not is_backward(n)] == [node] and not product.is_graph_output():
-                return _checked_head(head), node, bias
+            inner, chain = _reshapes_above(product)
+            head = chain[-1].producer()
+            if head is None or head.op_type not in ("MatMul", "Gemm") or not is_onnx_domain(head.domain):
+                continue
+            readers = [*inner, node]
+            if all([n for n, _ in v.uses() if not is_backward(n)] == [readers[i]] and not v.is_graph_output()
+                   for i, v in enumerate(reversed(chain))):  # fmt: skip
+                return _checked_head(head), node, bias, inner
     if node is None or node.op_type not in ("MatMul", "Gemm") or not is_onnx_domain(node.domain):
         found = "a graph input" if node is None else node.op_type
         raise _Skip(f"the logits come from {found}, not a MatMul or Gemm (with or without an Add of a bias)")
     gemm_bias = node.inputs[2] if node.op_type == "Gemm" and len(node.inputs) > 2 else None
-    return _checked_head(node), None, gemm_bias
+    return _checked_head(node), None, gemm_bias, []
 
 
 def _checked_head(head: ir.Node) -> ir.Node:
