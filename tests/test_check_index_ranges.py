@@ -8,6 +8,8 @@ end: a step with no error where torch raises IndexError.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import onnx_ir as ir
 import pytest
@@ -175,17 +177,11 @@ def test_ortmodule_refuses_what_torch_refuses_on_either_builder():
         reference.load_state_dict(module.state_dict())
         wrapped = ortpass.ORTModule(module, builder=builder)
         torch.testing.assert_close(wrapped(*_batch()), reference(*_batch()), rtol=1e-5, atol=1e-6)
-        for bad in (-5, VOCAB):
-            ids, labels = _batch(seed=1)
-            labels[1, 1] = bad
+        for bad, (position, what) in itertools.product((-5, VOCAB), ((1, "label"), (0, "embedding"))):
+            batch = list(_batch(seed=1))  # ids, labels
+            batch[position][1, 1] = bad
             with pytest.raises(IndexError):
-                reference(ids, labels)
-            with pytest.raises(IndexRangeError, match="label"):
-                wrapped(ids, labels)
-            ids, labels = _batch(seed=1)
-            ids[0, 0] = bad
-            with pytest.raises(IndexError):
-                reference(ids, labels)
-            with pytest.raises(IndexRangeError, match="embedding"):
-                wrapped(ids, labels)
+                reference(*batch)
+            with pytest.raises(IndexRangeError, match=what):
+                wrapped(*batch)
         torch.testing.assert_close(wrapped(*_batch(2)), reference(*_batch(2)), rtol=1e-5, atol=1e-6)
