@@ -45,7 +45,8 @@ the loss.
 Usage: ``python benchmarks/hf_memory.py --real-width [--models gpt2 llama] [--seq 512]
 [--steps 4] [--masked-prompt F] [--only KEY ...]`` (or this script with the same
 arguments).  Writes ``hf_memory_real_width[_seq<N>][_masked<P>].json`` and ``.md`` next to
-this script (``_<model>`` added for one model alone); ``--only`` and ``ORTPASS_BENCH_TINY=1`` (the smoke run: 2 layers,
+this script (``_<model>`` added for one model alone, ``_stock`` when run with stock
+onnxruntime, where ORTModule builds the gradient with torch); ``--only`` and ``ORTPASS_BENCH_TINY=1`` (the smoke run: 2 layers,
 hidden 64, vocab 3000, seq 64) print and record nothing.
 """
 
@@ -379,7 +380,7 @@ def _versions() -> dict:
     import importlib.metadata
 
     versions = {}
-    for name in ("torch", "transformers", "onnxruntime-training", "cut-cross-entropy"):
+    for name in ("torch", "transformers", "onnxruntime-training", "onnxruntime", "cut-cross-entropy"):
         try:
             versions[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
@@ -420,6 +421,13 @@ def run(families: list[str], seq: int, steps: int, only: list[str] | None = None
 # -- the record --------------------------------------------------------------------------------
 
 
+def _runtime(results: dict) -> str:
+    versions = results["versions"]
+    if versions.get("onnxruntime-training"):
+        return f"onnxruntime-training {versions['onnxruntime-training']} (ORT's gradient builder)"
+    return f"stock onnxruntime {versions.get('onnxruntime')} (the gradient built by torch)"
+
+
 def _masked(results: dict) -> str:
     prompt = results.get("masked_prompt", 0)
     return f", the first {prompt} of each row -100 (a masked prompt)" if prompt else ""
@@ -441,7 +449,7 @@ def markdown(results: dict) -> str:
         (f"GPT-2: {g['layers']} layers, hidden {g['hidden']}, {g['heads']} heads, vocab {g['vocab']}, dropout 0.1. "
         f"LLaMA: {lm['layers']} layers, hidden {lm['hidden']}, {lm['heads']} heads, MLP {lm['mlp']}, vocab "
         f"{lm['vocab']} (LLaMA-3's). Batch {results['batch']}, seq {results['seq']}, attention_mask of ones, labels = "
-        f"input_ids{_masked(results)}; one training step on CPU ({results['cpus']} cores), gradients allocated by the step. Step peak "
+        f"input_ids{_masked(results)}; {_runtime(results)}; one training step on CPU ({results['cpus']} cores), gradients allocated by the step. Step peak "
         "above the RSS after setup and a warm-up step, each configuration in a fresh process (glibc mmap threshold "
         f"64 KiB, ORT's arena off); step time: fastest of {results['steps_timed']} warm steps in another fresh process "
         "with the settings a user runs. Load average before/after: "
@@ -557,6 +565,8 @@ def main(argv: list[str] | None = None) -> None:
     stem = "hf_memory_real_width" if seq == 512 else f"hf_memory_real_width_seq{seq}"
     if prompt:
         stem += f"_masked{round(100 * args.masked_prompt)}"
+    if results["versions"]["onnxruntime-training"] is None:  # stock onnxruntime: the torch builder
+        stem += "_stock"
     if args.models != ["gpt2", "llama"]:
         stem += "_" + "_".join(args.models)
     rm.record(HERE / stem, results, markdown(results))
