@@ -208,7 +208,7 @@ def write_chunked_loss(head: HeadLoss, chunk: int, names: NameAllocator, *, pref
     pieces = []
     for i, (start, stop) in enumerate(slices):
         logits = logits_of(w.ints([start], f"start{i}"), start, stop, i, f"logits{i}")
-        pieces.append(w.reduce("ReduceLogSumExp", logits, [1], f"logsumexp{i}"))
+        pieces.append(_logsumexp(w, logits, f"logsumexp{i}"))
     lse = pieces[0]
     if len(pieces) > 1:
         joined = w.op("Concat", pieces, {"axis": 1}, name="slice_logsumexps", shape=[n, len(pieces)], dtype=f)
@@ -240,12 +240,7 @@ def write_chunked_loss(head: HeadLoss, chunk: int, names: NameAllocator, *, pref
         shifted = w.op("Sub", [logits, lse], name=f"shifted{i}", shape=wide, dtype=f)
         probs = w.op("Exp", [shifted], name=f"probs{i}", shape=wide, dtype=f)
         scaled = w.op("Mul", [probs, row_grad], name=f"scaled{i}", shape=wide, dtype=f)
-        range_ends = [w.const(np.array(x, dtype=np.int64), f"range_{what}{i}") for what, x in (("start", 0), ("stop", width), ("step", 1))]
-        columns = w.op("Range", range_ends, name=f"columns{i}", shape=[width], dtype=i64)
-        local = w.op("Sub", [target, w.ints([start], f"offset{i}")], name=f"local_label{i}", shape=column, dtype=i64)
-        hit = w.op("Equal", [local, columns], name=f"is_label{i}", shape=wide, dtype=b)
-        minus_one = w.op("Sub", [scaled, row_grad], name=f"minus_one{i}", shape=wide, dtype=f)
-        logits_grad = w.op("Where", [hit, minus_one, scaled], name=f"logits_grad{i}", shape=wide, dtype=f)
+        logits_grad = _minus_onehot(w, scaled, target, row_grad, start, width, i)
         part = w.op("Gemm", [logits_grad, weight], {"transB": 1 - trans_b}, name=f"hidden_grad_part{i}", shape=rows_by_hidden, dtype=f)
         if hidden_grad is not None:
             part = w.op("Add", [hidden_grad, part], name=f"hidden_grad{i}", shape=rows_by_hidden, dtype=f)
@@ -273,6 +268,38 @@ def write_chunked_loss(head: HeadLoss, chunk: int, names: NameAllocator, *, pref
     if bias_grads:
         bias_grad = bias_grads[0] if len(bias_grads) == 1 else w.op("Concat", bias_grads, {"axis": 1}, name="bias_grad", shape=[1, head.vocab], dtype=f)
     return ChunkedLossValues(w.sides["forward"], w.sides["backward"], loss, hidden_grad, weight_grad, bias_grad)
+
+
+def _logsumexp(w: _Writer, x: ir.Value, name: str) -> ir.Value:
+    """``log(sum(exp(x)))`` over axis 1, kept: ``max + log(sum(exp(x - max)))``.  Written
+    out because ORT's ``ReduceLogSumExp`` took 2.6x as long as these five nodes on a
+    slice of logits (0.26 s against 0.10 s over 1024 x 128256; ORT 1.19.2, 2 cores)."""
+    top = w.reduce("ReduceMax", x, [1], f"{name}_max")
+    shifted = w.op("Sub", [x, top], name=f"{name}_shifted", shape=list(x.shape), dtype=x.dtype)
+    exps = w.op("Exp", [shifted], name=f"{name}_exp", shape=list(x.shape), dtype=x.dtype)
+    sums = w.reduce("ReduceSum", exps, [1], f"{name}_sum")
+    logs = w.op("Log", [sums], name=f"{name}_log", shape=list(sums.shape), dtype=x.dtype)
+    return w.op("Add", [logs, top], name=name, shape=list(sums.shape), dtype=x.dtype)
+
+
+def _minus_onehot(w: _Writer, scaled: ir.Value, target: ir.Value, row_grad: ir.Value, start: int, width: int, i: int) -> ir.Value:
+    """``scaled - row_grad * onehot(target)`` on the slice ``[start, start + width)``.
+
+    Only the label's own column changes, so it is read, changed and written back per row
+    (``GatherElements``, ``ScatterElements``: rows x 1) instead of comparing every column
+    with the label: a ``Where`` over rows x width took 0.29 s of the 2.26 s loss at GPT-2's
+    size (1024 rows, vocabulary 50257; ORT 1.19.2 on 2 cores), these take milliseconds.  A
+    row whose label lies in another slice writes its first column back unchanged."""
+    f, i64, column = scaled.dtype, ir.DataType.INT64, list(target.shape)
+    local = w.op("Sub", [target, w.ints([start], f"offset{i}")], name=f"local_label{i}", shape=column, dtype=i64)
+    above = w.op("GreaterOrEqual", [local, w.ints([0], f"slice_first{i}")], name=f"label_from{i}", shape=column, dtype=ir.DataType.BOOL)
+    below = w.op("Less", [local, w.ints([width], f"slice_width{i}")], name=f"label_below{i}", shape=column, dtype=ir.DataType.BOOL)
+    inside = w.op("And", [above, below], name=f"label_here{i}", shape=column, dtype=ir.DataType.BOOL)
+    index = w.op("Where", [inside, local, w.ints([0], f"first_column{i}")], name=f"label_column{i}", shape=column, dtype=i64)
+    at_label = w.op("GatherElements", [scaled, index], {"axis": 1}, name=f"at_label{i}", shape=column, dtype=f)
+    minus_one = w.op("Sub", [at_label, row_grad], name=f"minus_one{i}", shape=column, dtype=f)
+    written = w.op("Where", [inside, minus_one, at_label], name=f"label_value{i}", shape=column, dtype=f)
+    return w.op("ScatterElements", [scaled, index, written], {"axis": 1}, name=f"logits_grad{i}", shape=list(scaled.shape), dtype=f)
 
 
 def _scatter_rows(w: _Writer, grad: ir.Value, head: HeadLoss) -> ir.Value:
