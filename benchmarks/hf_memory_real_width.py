@@ -379,12 +379,17 @@ def _config(key: str, *args: str) -> dict:
 def _versions() -> dict:
     import importlib.metadata
 
-    versions = {}
-    for name in ("torch", "transformers", "onnxruntime-training", "onnxruntime", "cut-cross-entropy"):
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            versions[name] = None
+    def version(*distributions: str) -> str | None:
+        for name in distributions:
+            try:
+                return importlib.metadata.version(name)
+            except importlib.metadata.PackageNotFoundError:
+                pass
+        return None
+
+    versions = {name: version(name) for name in ("torch", "transformers", "onnxruntime", "cut-cross-entropy")}
+    # The training build installs as either name (the CPU wheel is onnxruntime-training-cpu).
+    versions["onnxruntime-training"] = version("onnxruntime-training", "onnxruntime-training-cpu")
     return versions
 
 
