@@ -103,6 +103,20 @@ def test_chunked_step_matches_torch_and_holds_no_full_logits(head, reduction):
     check_parity(module, _args(), model, input_names=["ids", "labels"]).assert_ok()
 
 
+def test_logits_past_floats_exp_range_give_torchs_loss_and_gradients():
+    """Each slice's logsumexp subtracts the slice's maximum before ``Exp``: logits in the
+    hundreds (exp(89) overflows float32) still give torch's finite loss and gradients."""
+    torch.manual_seed(0)
+    module = TinyLM("linear")
+    with torch.no_grad():
+        module.linear.weight.mul_(300.0)
+        logits = module.linear(module.norm(torch.tanh(module.fc(module.emb(_args()[0])))))
+    assert logits.abs().max() > 200  # the test's premise: exp of the raw logits is inf in float32
+    model, pass_ = _chunked(module)
+    assert pass_.stats["counts"]["losses chunked"] == 1
+    check_parity(module, _args(), model, input_names=["ids", "labels"]).assert_ok()
+
+
 def test_the_gradient_outputs_keep_their_names():
     module = TinyLM("linear")
     before = get_training_info(_training(module))
