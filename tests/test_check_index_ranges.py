@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import ortpass
+from ortpass.conventions import INDEX_CHECK_PREFIX
 from ortpass.errors import IndexRangeError
 from ortpass.export import export
 from ortpass.passes import CheckIndexRangesPass
@@ -118,6 +119,9 @@ def test_labels_of_either_integer_type_are_checked(label_dtype):
     pass_ = CheckIndexRangesPass()
     checked = pass_(build_training_graph(_sce_by_hand(label_dtype), loss="loss")).model
     assert pass_.stats["counts"] == {"labels checked": 1}
+    written = [v.shape for n in checked.graph if n.name.startswith(INDEX_CHECK_PREFIX) for v in n.outputs if v.shape is not None]
+    labels_shape = next(v.shape for v in checked.graph.inputs if v.name == "labels")
+    assert len({id(s) for s in [*written, labels_shape]}) == len(written) + 1  # no Shape object shared
     a, b = TrainingSession(plain).run({"x": x, "labels": good}), TrainingSession(checked).run({"x": x, "labels": good})
     assert a.loss == b.loss
     np.testing.assert_array_equal(b.gradients["W"], a.gradients["W"])

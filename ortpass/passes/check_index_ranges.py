@@ -151,7 +151,9 @@ class _CheckWriter:
     def _op(self, op_type: str, inputs: list[ir.Value], attributes: dict | None = None, *, name: str, like: ir.Value) -> ir.Value:
         node = ir.node(op_type, inputs, attributes or {}, name=self.names.fresh(name))
         node.outputs[0].name = self.names.fresh(f"{node.name}_output")
-        node.outputs[0].shape, node.outputs[0].dtype = like.shape, like.dtype
+        # A copy: the checked value's Shape object is its own, and a pass that edits one in place edits one value.
+        node.outputs[0].shape = like.shape.copy() if like.shape is not None else None
+        node.outputs[0].dtype = like.dtype
         self._nodes.append(tag(node, "forward"))
         return node.outputs[0]
 
