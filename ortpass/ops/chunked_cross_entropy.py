@@ -43,7 +43,7 @@ from ortpass.graph.names import NameAllocator
 
 __all__ = ["ChunkedLossValues", "HeadLoss", "vocab_slices", "write_chunked_loss"]
 
-# ReduceLogSumExp and ReduceSum take their axes as an input from these opsets on.
+# ReduceSum, and the other reductions (ReduceMax, ReduceLogSumExp), take their axes as an input from these opsets on.
 _REDUCE_SUM_AXES_INPUT_OPSET = 13
 _REDUCE_AXES_INPUT_OPSET = 18
 # ScatterND sums repeated indices (reduction="add") from this opset on.
