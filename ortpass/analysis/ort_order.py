@@ -15,14 +15,30 @@ import onnx_ir as ir
 
 from ortpass.analysis.partition import is_backward
 
-__all__ = ["leaf_units", "order_gradient_leaves"]
+__all__ = ["gradient_leaf_order", "leaf_units", "ort_default_order", "order_gradient_leaves"]
 
 
 def order_gradient_leaves(graph: ir.Graph, nodes: list[ir.Node]) -> dict[ir.Node, int]:
     """Move each backward leaf (a node no node reads: it produces gradient outputs), with
     the backward nodes that feed only it, to the end of the graph, the leaf that becomes
     computable first last, so that ORT's default order runs each one as soon as its inputs
-    exist (ORT takes leaves from the last one in graph order).
+    exist (ORT takes leaves from the last one in graph order); see :func:`gradient_leaf_order`.
+
+    ``nodes``: the graph's nodes in order.  Returns a number for each, increasing in the
+    new order.
+    """
+    kept, moved = _split_leaf_units(nodes)
+    # One removal and one extension: Graph.remove copies the graph's outputs on every call.
+    graph.remove(moved)
+    graph.extend(moved)
+    position = {node: i for i, node in enumerate(nodes)}
+    # The others keep their numbers, in the same order still; the moved come after them.
+    position.update((node, len(nodes) + i) for i, node in enumerate(moved))
+    return position
+
+
+def gradient_leaf_order(nodes: list[ir.Node]) -> list[ir.Node]:
+    """The graph order :func:`order_gradient_leaves` writes, without writing it.
 
     A leaf's *unit* is the leaf and the nodes whose outputs only it reads, directly or
     through other nodes of the unit (a weight gradient's Reshape-Gemm-Transpose chain).
@@ -30,23 +46,22 @@ def order_gradient_leaves(graph: ir.Graph, nodes: list[ir.Node]) -> dict[ir.Node
     leaf sits: ORT's pre-gradient fusions re-sort the graph and put weight-gradient chains
     after all of backward, and a rank by position then ran them (and the bias gradients
     ranked alike) at the end of the step, keeping an activation gradient per layer alive.
-    A unit's outputs are read only inside it, so the graph stays topologically sorted.
-
-    ``nodes``: the graph's nodes in order.  Returns a number for each, increasing in the
-    new order.
+    A unit's outputs are read only inside it, so the order stays topologically sorted.
     """
+    kept, moved = _split_leaf_units(nodes)
+    return kept + moved
+
+
+def _split_leaf_units(nodes: list[ir.Node]) -> tuple[list[ir.Node], list[ir.Node]]:
+    """The nodes that stay, in order, and the leaf units moved after them, in their new order."""
     position = {node: i for i, node in enumerate(nodes)}
     units = leaf_units(nodes)
     produced_at = _ProducedAt(position)
     ready = {unit[-1]: _ready_position(unit, produced_at) for unit in units}
     units.sort(key=lambda unit: (ready[unit[-1]], position[unit[-1]]))
     moved = [node for unit in reversed(units) for node in unit]
-    # One removal and one extension: Graph.remove copies the graph's outputs on every call.
-    graph.remove(moved)
-    graph.extend(moved)
-    # The others keep their numbers, in the same order still; the moved come after them.
-    position.update((node, len(nodes) + i) for i, node in enumerate(moved))
-    return position
+    moved_set = set(moved)
+    return [node for node in nodes if node not in moved_set], moved
 
 
 def leaf_units(nodes: Sequence[ir.Node]) -> list[list[ir.Node]]:
@@ -102,3 +117,46 @@ class _ProducedAt:
             inputs = [v.producer() for v in producer.inputs if v is not None]
             self.ready[producer] = max(map(self, inputs), default=-1)
         return self.ready[producer]
+
+
+def ort_default_order(nodes: Sequence[ir.Node]) -> list[ir.Node]:
+    """The order ORT's ``ExecutionOrder.DEFAULT`` runs ``nodes`` (a graph's nodes, in
+    graph order) in: post-order, depth first, from the leaves (nodes whose outputs no node
+    reads), the last leaf in graph order first, and at each node its inputs' producers from
+    the last in graph order down, each one's whole subgraph before the next.
+
+    Nodes ORT's own optimizers create get new, higher indices there; this order is the
+    graph's as ortpass hands it over.  An explicit stack: a recursive walk would exceed
+    Python's recursion limit on a deep model's backward chain.
+    """
+    position = {node: i for i, node in enumerate(nodes)}
+    producers = {
+        node: sorted(
+            {v.producer() for v in node.inputs if v is not None and v.producer() in position},
+            key=position.__getitem__,
+            reverse=True,
+        )
+        for node in nodes
+    }
+    read = {p for node in nodes for p in producers[node]}
+    leaves = [node for node in reversed(nodes) if node not in read]
+    order: list[ir.Node] = []
+    done: set[ir.Node] = set()
+    for leaf in leaves:
+        stack: list[tuple[ir.Node, int]] = [(leaf, 0)]
+        while stack:
+            node, next_input = stack[-1]
+            if node in done:
+                stack.pop()
+                continue
+            inputs = producers[node]
+            while next_input < len(inputs) and inputs[next_input] in done:
+                next_input += 1
+            if next_input < len(inputs):
+                stack[-1] = (node, next_input + 1)
+                stack.append((inputs[next_input], 0))
+                continue
+            stack.pop()
+            done.add(node)
+            order.append(node)
+    return order

@@ -144,6 +144,9 @@ class AccumulateGradientsEarlyPass(OrtPass):
             node.outputs[0].name = names.fresh(f"{node.name}_output")
             tag(node, "backward")
         where.outputs[0].dtype, where.outputs[0].shape = target.dtype, target.shape
+        # Scalars, typed so that memory analyses downstream know every value's size.
+        summed.outputs[0].dtype, summed.outputs[0].shape = part.dtype, ir.Shape([])
+        never.outputs[0].dtype, never.outputs[0].shape = ir.DataType.BOOL, ir.Shape([])
         for reader, index in uses:
             reader.replace_input_with(index, where.outputs[0])
         ordered_chain = sorted(chain, key=positions.of.__getitem__)

@@ -68,6 +68,7 @@ class ScatterEmbeddingGradientPass(OrtPass):
         for node in (axes, column, scatter):
             node.outputs[0].name = names.fresh(f"{node.name}_output")
             tag(node, "backward")
+        axes.outputs[0].shape, axes.outputs[0].dtype = ir.Shape([1]), ir.DataType.INT64
         if ids.shape is not None:
             column.outputs[0].shape, column.outputs[0].dtype = ir.Shape([*ids.shape, 1]), ids.dtype
         result = accumulate.outputs[0]
