@@ -59,11 +59,17 @@ class FixDropoutSeedPass(OrtPass):
         config_file: str | os.PathLike | None = None,
         probe_level: ProbeLevelOption = ProbeLevel.ADVANCED,
         min_elements: NonNegativeInt | None = None,
+        budget: int | float | str | None = None,
         base_seed: int = 0,
     ) -> None:
         super().__init__()
         self.selection = RecomputeSelection(
-            plans, level=level, config_file=config_file, probe_level=probe_level, min_elements=min_elements
+            plans,
+            level=level,
+            config_file=config_file,
+            probe_level=probe_level,
+            min_elements=min_elements,
+            budget=budget,
         )
         self.base_seed = int(base_seed)
 

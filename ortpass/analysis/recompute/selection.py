@@ -3,6 +3,7 @@ and the dropout-seeding pass, so the dropouts seeded are exactly those cloned.""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 from typing import Sequence
@@ -11,7 +12,9 @@ import onnx_ir as ir
 
 from ortpass.analysis.plans import PlanSpec, PlanType, load_plan_file, parse_plans
 from ortpass.analysis.recomputable_ops import ProbeLevel
+from ortpass.analysis.recompute.budget import BudgetPlan, parse_budget, plan_for_budget
 from ortpass.analysis.recompute.candidates import find_recompute_candidates
+from ortpass.analysis.recompute.timing import CostModel
 from ortpass.analysis.recompute.result import Occurrence, RecomputeReport
 from ortpass.conventions import RECOMPUTE_CANDIDATES
 from ortpass.errors import PlanError
@@ -56,6 +59,8 @@ class RecomputeSelection:
         config_file: str | os.PathLike | None = None,
         probe_level: ProbeLevelOption = ProbeLevel.ADVANCED,
         min_elements: NonNegativeInt | None = None,
+        budget: int | float | str | None = None,
+        cost_model: CostModel | None = None,
     ) -> None:
         if level not in LEVELS:
             raise ValueError(f"recompute level must be one of {LEVELS}, not {level!r}")
@@ -67,6 +72,13 @@ class RecomputeSelection:
         given = parse_plans(plans)
         if config_file is not None:
             given += load_plan_file(config_file)
+        if budget is not None:
+            parse_budget(budget)  # a bad budget fails here, before any model is touched
+            if level > 0 or given:
+                raise PlanError(
+                    "a memory budget chooses the plans itself: give budget= without level= or plans "
+                    f"(got level={level}, plans={', '.join(map(str, given)) or 'none'})"
+                )
         if level > 0 and given:
             raise PlanError(
                 f"level {level} selects every detected plan itself; give plans or a config file "
@@ -76,11 +88,14 @@ class RecomputeSelection:
         self.level = level
         self.probe_level = probe_level
         self.min_elements = min_elements
+        self.budget = budget
+        self.cost_model = cost_model
+        self.budget_plan: BudgetPlan | None = None  # the last budget selection's, for its report
 
     @property
     def empty(self) -> bool:
         """True when these options can select nothing in any graph."""
-        return self.level == 0 and not any(p.type != PlanType.NONE for p in self.plans)
+        return self.level == 0 and self.budget is None and not any(p.type != PlanType.NONE for p in self.plans)
 
     def select(
         self, model: ir.Model, cache: AnalysisCache | None = None
@@ -91,12 +106,18 @@ class RecomputeSelection:
         same options is reused (``RECOMPUTE_CANDIDATES``).
         """
         limits = {} if self.min_elements is None else {"min_elements": self.min_elements}
-        key = (RECOMPUTE_CANDIDATES, self.probe_level, self.level > 0, self.min_elements)
+        if self.budget is not None and self.min_elements is None:
+            # ORT's size floor guesses what is worth recomputing; the budget planner weighs
+            # every tensor's bytes against its time itself.
+            limits = {"min_elements": 0}
+        key = (RECOMPUTE_CANDIDATES, self.probe_level, self.level > 0, limits.get("min_elements"))
 
         def analyse() -> RecomputeReport:
             return find_recompute_candidates(model, probe_level=self.probe_level, layer_boundary=self.level > 0, **limits)
 
         report = analyse() if cache is None else cache.get(key, model, analyse)
+        if self.budget is not None:
+            return report, *self._select_for_budget(model, report, cache)
         if self.level == 0:
             specs = self.plans
         else:
@@ -104,6 +125,23 @@ class RecomputeSelection:
             specs = [record.spec for record in report.plans if record.type in types]
         return report, specs, report.select(specs)
 
+    def _select_for_budget(
+        self, model: ir.Model, report: RecomputeReport, cache: AnalysisCache | None
+    ) -> tuple[list[PlanSpec], list[Occurrence]]:
+        """The budget planner's choice; with a ``cache``, made once per model object (the
+        dropout-seeding pass and the recompute pass then clone the same subgraphs)."""
+        cost_model = self.cost_model or CostModel.for_this_machine()
+        key = (RECOMPUTE_CANDIDATES, "budget", self.probe_level, self.min_elements, str(self.budget), cost_model)
+
+        def plan() -> BudgetPlan:
+            return plan_for_budget(model, report, self.budget, cost_model)  # type: ignore[arg-type]
+
+        self.budget_plan = plan() if cache is None else cache.get(key, model, plan)
+        counts = collections.Counter((o.cluster, o.type) for o in self.budget_plan.chosen)
+        specs = [PlanSpec(cluster, plan_type, count) for (cluster, plan_type), count in counts.items()]
+        return specs, list(self.budget_plan.chosen)
+
     def __repr__(self) -> str:
         plans = ",".join(map(str, self.plans))
-        return f"RecomputeSelection(plans={plans!r}, level={self.level}, probe_level={self.probe_level})"
+        budget = "" if self.budget is None else f", budget={self.budget!r}"
+        return f"RecomputeSelection(plans={plans!r}, level={self.level}{budget}, probe_level={self.probe_level})"
