@@ -143,6 +143,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     report.add_argument("--layer-boundary", action="store_true", help="group candidates by layer boundary")
     report.add_argument(
+        "--budget", type=_budget, metavar="B",
+        help="also plan recompute for a step-peak budget: bytes (1073741824, 300MiB, 6GB) or a fraction "
+        "between recomputing every candidate (0.0) and nothing (1.0); prints the choice and the predicted peaks",
+    )
+    report.add_argument(
         "--no-build", action="store_true",
         help="refuse a forward model (exit 2) instead of analysing the training graph built from it in memory",
     )
@@ -169,6 +174,26 @@ def _non_negative_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not an integer: {elide(text, 40)!r}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, not {value}")
+    return value
+
+
+def _budget(text: str) -> int | float | str:
+    """A memory budget as the recompute pass takes it: an int (bytes), a float (a fraction)
+    or a size with a unit; checked here so that a bad one is a usage error."""
+    from ortpass.analysis.recompute.budget import parse_budget
+    from ortpass.errors import PlanError
+
+    value: int | float | str = text
+    for kind in (int, float):
+        try:
+            value = kind(text)
+            break
+        except ValueError:
+            continue
+    try:
+        parse_budget(value)
+    except PlanError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
     return value
 
 

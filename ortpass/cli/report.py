@@ -90,12 +90,17 @@ def run_report(args: argparse.Namespace) -> int:
     print(candidates.to_table(width=width, status=False, title=title))
     if args.plot:
         _refuse_missing_dims(candidates)
+    budget = _budget_plan(training, args, candidates.dims) if args.budget is not None else None
+    if budget is not None:
+        print()
+        print(budget.to_table(width))
     # Both outputs are made before either is written: a failure leaves neither.
     record = {
         "model": summary,
         "training_graph": {"built_in_memory_by": built_by},
         "recompute_applied": applied.to_dict(),
         "recompute": candidates.to_dict(),
+        **({"budget": budget.to_dict()} if budget is not None else {}),
     }
     text = json.dumps(record, indent=2, default=str) + "\n"
     if args.plot:
@@ -105,6 +110,17 @@ def run_report(args: argparse.Namespace) -> int:
     if args.json:
         logger.info("wrote %s", io.write_file(args.json, text))
     return 0
+
+
+def _budget_plan(training: ir.Model, args: argparse.Namespace, dims: dict[str, int] | None) -> Any:
+    """What ``recompute(budget=...)`` would choose in ``training`` (the pass's analysis:
+    every candidate of the graph, no size floor), at the report's dims."""
+    from ortpass.analysis.recompute import find_recompute_candidates
+    from ortpass.analysis.recompute.budget import plan_for_budget
+    from ortpass.analysis.recompute.timing import CostModel
+
+    whole = find_recompute_candidates(training, probe_level=args.probe_level, dims=dims, min_elements=0)
+    return plan_for_budget(training, whole, args.budget, CostModel.for_this_machine())
 
 
 def training_graph_pipeline() -> str:

@@ -253,3 +253,33 @@ def pipeline(spec: str, **manager_kwargs: Any) -> PassManager:
     Raises PipelineSpecError naming the pass, option or text position that is wrong.
     """
     return PassManager(passes_from_text(spec), **manager_kwargs)
+
+
+#: The options that say which recompute plans to apply: a memory budget replaces them.
+_PLAN_OPTIONS = ("plans", "level", "config_file")
+
+
+def with_memory_budget(spec: str, budget: Any) -> str:
+    """``spec`` with its ``recompute`` and ``fix-dropout-seed`` passes choosing their plans
+    by the memory ``budget`` (``budget=`` in place of ``plans``, ``level`` and
+    ``config_file``; their other options kept).  A ``fix-dropout-seed`` with recompute's
+    options is added before a ``recompute`` that has none, since both must choose the same
+    subgraphs.  A pipeline
+    without ``recompute`` is refused: nothing in it could spend the budget."""
+    specs = parse_pipeline(spec)
+    if not any(s.name == "recompute" for s in specs):
+        raise PipelineSpecError(f"a memory budget needs a recompute pass in the pipeline, and {_quote_around(spec, 0)} has none")
+    seeded = any(s.name == "fix-dropout-seed" for s in specs)
+    ends = [s.position for s in specs[1:]] + [len(spec)]
+    parts = []
+    for s, end in zip(specs, ends):
+        if s.name not in ("recompute", "fix-dropout-seed"):
+            parts.append(spec[s.position : end].strip().rstrip(","))
+            continue
+        options = {k: v for k, v in s.options.items() if k not in _PLAN_OPTIONS}
+        options["budget"] = budget
+        text = ",".join(f"{k}={v!r}" for k, v in options.items())
+        if s.name == "recompute" and not seeded:
+            parts.append(f"fix-dropout-seed({text})")  # the same selection options
+        parts.append(f"{s.name}({text})")
+    return ",".join(parts)

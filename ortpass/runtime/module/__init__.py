@@ -112,6 +112,13 @@ class ORTModule(GraphBuilding, torch.nn.Module):
         fallback: ``"raise"`` (default): a module ORTModule cannot export or differentiate
             raises, naming why.  ``"torch"``: such a call runs the module in torch instead,
             with one warning per input schema naming the cause.
+        memory_budget: recompute what brings the step's peak under this budget at the
+            least added time, instead of the pipeline's recompute level: bytes (an int,
+            or a string such as ``"6GiB"``; the peak above the weights and the batch) or
+            a fraction between recomputing every candidate (0.0) and nothing (1.0).
+            Planned at the dims of the batch a graph is built for
+            (:func:`ortpass.analysis.recompute.budget.plan_for_budget`); a budget no
+            recompute reaches raises, naming the lowest peak it can reach.
 
     ``state_dict()`` keys carry the ``module.`` prefix (as with DDP); the wrapped module is
     ``.module``.  ``graph_builds`` counts the graphs built (exported and optimized) in this
@@ -133,6 +140,7 @@ class ORTModule(GraphBuilding, torch.nn.Module):
         differentiate: Literal["auto", "outputs"] = "auto",
         builder: Literal["auto", "ort", "torch"] = "auto",
         fallback: Literal["raise", "torch"] = "raise",
+        memory_budget: int | float | str | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(module, torch.nn.Module):
@@ -160,6 +168,12 @@ class ORTModule(GraphBuilding, torch.nn.Module):
             from ortpass.passes import DEFAULT_PIPELINE
 
             pipeline = DEFAULT_PIPELINE
+        if memory_budget is not None:
+            from ortpass.analysis.recompute.budget import parse_budget
+            from ortpass.infra.pipeline_text import with_memory_budget
+
+            parse_budget(memory_budget)  # refused when wrapping, not at the first step
+            pipeline = with_memory_budget(pipeline, memory_budget)
         self.module = module
         self.pipeline = pipeline
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
