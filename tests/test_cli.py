@@ -274,3 +274,32 @@ def test_report_on_a_real_training_graph_prints_plans_and_plots_without_touching
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert any(p["plan"] == "Dropout+:1:-1" for p in json.loads(report.read_text())["recompute"]["plans"])
     assert (model_file.read_bytes(), model_file.stat().st_mtime_ns) == before
+
+
+def test_report_with_a_budget_prints_the_choice_and_records_it(tmp_path, capsys):
+    import torch
+
+    from ortpass.analysis.step_memory import predict_step_memory
+    from ortpass.export import export
+    from ortpass.testing.models import GPTDecoder
+    from ortpass.training import build_training_graph
+
+    torch.manual_seed(0)
+    module = GPTDecoder(vocab=32, hidden=32, heads=4, layers=2, max_seq=16, dropout=0.1)
+    ids = torch.randint(0, 32, (2, 16))
+    training = build_training_graph(export(module, (ids, ids), input_names=["input_ids", "labels"]))
+    model_file, report = tmp_path / "train.onnx", tmp_path / "report.json"
+    ir.save(training, model_file)
+    assert main(["report", str(model_file), "--budget", "0.0", "--json", str(report)]) == 0
+    out = capsys.readouterr().out
+    assert "memory budget 0.0: predicted step peak" in out and "subgraphs recomputed" in out
+    plan = json.loads(report.read_text())["budget"]
+    assert plan["peak_without_recompute_bytes"] == predict_step_memory(training).peak_bytes
+    assert plan["predicted_peak_bytes"] == plan["peak_recomputing_everything_bytes"] < plan["peak_without_recompute_bytes"]
+    assert plan["chosen"] and all(c["seconds"] > 0 for c in plan["chosen"])
+    # A budget is checked as an argument: a bad one is a usage error naming it.
+    assert main(["report", str(model_file), "--budget", "lots"]) == 2
+    assert "memory budget 'lots' is not a size" in capsys.readouterr().err
+    # One no recompute reaches is refused as bad input, naming the lowest peak.
+    assert main(["report", str(model_file), "--budget", "1"]) == 2
+    assert "smallest step peak recompute reaches" in capsys.readouterr().err
