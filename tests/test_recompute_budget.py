@@ -74,6 +74,39 @@ def test_step_memory_counts_buffers_once_frees_after_the_last_read_and_holds_unr
     assert step.peak_bytes == 512 and step.peak_node.name == "n4" and step.exact
 
 
+def _graph(nodes, inputs, outputs, initializers=()) -> ir.Model:
+    graph = oh.make_graph(nodes, "g", inputs, outputs, list(initializers))
+    proto = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)], ir_version=8)
+    return ir.from_proto(onnx.shape_inference.infer_shapes(proto))
+
+
+def test_a_transpose_only_matmuls_read_is_fused_into_them_and_costs_nothing():
+    """x[4,8] -> a=Relu(x) (128 B) -> t=Transpose(a) -> y=MatMul(w[4,4], t) (128 B)."""
+    x, w = oh.make_tensor_value_info("x", F, [4, 8]), oh.make_tensor_value_info("w", F, [4, 4])
+    nodes = [oh.make_node("Relu", ["x"], ["a"]), oh.make_node("Transpose", ["a"], ["t"], perm=[1, 0]),
+             oh.make_node("MatMul", ["t", "w"], ["y"])]
+    fused = predict_step_memory(_graph(nodes, [x, w], [oh.make_tensor_value_info("y", F, [8, 4])]))
+    assert fused.live.tolist() == [128, 128, 256]  # a, then t as a view of a, then y
+    # Read by a Relu too, the Transpose stays and allocates its own 128 bytes.
+    kept = predict_step_memory(_graph(
+        [*nodes, oh.make_node("Relu", ["t"], ["r"])], [x, w],
+        [oh.make_tensor_value_info("y", F, [8, 4]), oh.make_tensor_value_info("r", F, [8, 4])],
+    ))
+    # ORT's walk: r's chain first (a, t, r), then y; a dies after t, r (an output) stays.
+    assert kept.live.tolist() == [128, 256, 256, 384]
+
+
+def test_a_node_of_initializers_alone_is_folded_unless_an_initializer_can_be_fed():
+    """c = Transpose(k) of an initializer k[8,4] (128 B), then y = Add(Relu(x), c)."""
+    k = oh.make_tensor("k", F, [8, 4], [0.0] * 32)
+    nodes = [oh.make_node("Transpose", ["k"], ["c"], perm=[1, 0]), oh.make_node("Relu", ["x"], ["a"]),
+             oh.make_node("Add", ["a", "c"], ["y"])]
+    x, y = oh.make_tensor_value_info("x", F, [4, 8]), oh.make_tensor_value_info("y", F, [4, 8])
+    assert predict_step_memory(_graph(nodes, [x], [y], [k])).peak_bytes == 2 * 128  # a and y
+    fed = predict_step_memory(_graph(nodes, [x, oh.make_tensor_value_info("k", F, [8, 4])], [y], [k]))
+    assert fed.peak_bytes == 3 * 128  # k is also a graph input: c is computed in the step
+
+
 def test_step_memory_names_values_of_unknown_size():
     model = _view_graph()
     next(n for n in model.graph if n.name == "n5").outputs[0].shape = ir.Shape(["batch", 8])

@@ -18,7 +18,7 @@ import functools
 import logging
 import math
 import re
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 import onnx_ir as ir
 import sympy
@@ -183,15 +183,17 @@ class BufferMap:
     each alias chain once.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, is_alias: Callable[[ir.Node], bool] = is_alias_node) -> None:
+        """``is_alias``: which nodes' output 0 is a view of their input 0."""
         self._root: dict[ir.Value, ir.Value] = {}
+        self._is_alias = is_alias
 
     def root(self, value: ir.Value) -> ir.Value:
         chain = []
         current = value
         while current not in self._root:
             producer = current.producer()
-            if producer is None or not is_alias_node(producer) or current.index() != 0:
+            if producer is None or not self._is_alias(producer) or current.index() != 0:
                 self._root[current] = current
                 break
             chain.append(current)
