@@ -191,3 +191,19 @@ def test_hf_memory_real_width_measures_the_wrapper_and_checkpointing_on_tiny_mod
         assert configs["wrapper"]["graph_builds"] == 1 and configs["wrapper"]["timing_run_graph_builds"] == 0
         assert configs["wrapper"]["sessions_without_arena"] > 0  # the memory run's sessions: ORT's arena off
         assert f"{family}, wrapper: goal " in table and f"{family} first-step losses: wrapper " in table
+
+
+def test_budget_plans_and_measures_budget_points_on_a_tiny_gpt2(monkeypatch):
+    monkeypatch.setenv("ORTPASS_BENCH_TINY", "1")  # read by the script and by its children
+    budget = _load("budget")
+    # seq 512: at the tiny model's seq 16 every step peak reads 0 MiB and no budget is reachable.
+    results = budget.run(["gpt2"], seq=512, steps=1, only=["ortpass_budget_4"])
+    entry = results["families"]["gpt2"]
+    configs = entry["configs"]
+    assert list(configs) == ["ort", "torch", "torch_ckpt_k1", "ortpass_budget_4"]  # and what the budgets need
+    point = configs["ortpass_budget_4"]
+    assert point["budget_mib"] == pytest.approx(configs["ort"]["step_peak_mib"])  # the largest budget: ORT's peak
+    assert "error" not in point and point["step_seconds"] > 0 and point["predicted_peak_bytes"] > 0
+    assert entry["loss_checks"]["torch_ckpt_k1"] is True  # checkpointing changes no number
+    assert "ortpass_budget_4" in entry["goal"]["points"]
+    assert "ortpass, budget 4/4" in budget.markdown(results)
