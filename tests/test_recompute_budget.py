@@ -348,3 +348,34 @@ def test_the_wrapper_trains_like_torch_eager_under_a_memory_budget(loss_in):
     counts = wrapped.transitions.current_graph.report["recompute"].stats["counts"]
     assert counts["occurrences recomputed"] > 0
     assert counts["predicted peak bytes"] <= counts["budget target bytes"]
+
+
+def test_a_batch_the_budgeted_graph_would_not_fit_gets_a_graph_planned_at_its_sizes():
+    """A byte budget the first batch (2) meets without recompute: at batch 3 that graph
+    would go over it, and the wrapper plans again there (recomputing), then goes back to
+    the first graph at batch 2; at batch 8 no recompute reaches the budget, and the call
+    says so.  Losses as torch eager's throughout."""
+    from ortpass.runtime.module import ORTModule
+
+    torch.manual_seed(0)
+    model = GPTDecoder(vocab=64, hidden=32, heads=4, layers=2, max_seq=64, dropout=0.0)
+    reference = copy.deepcopy(model)
+    probe = ORTModule(copy.deepcopy(model), memory_budget="1TiB")  # recomputes nothing: the peak without
+    ids = torch.randint(0, 64, (2, 32))
+    probe(ids, ids.roll(-1, 1)).backward()
+    without = probe.transitions.current_graph.report["recompute"].stats["counts"]["predicted peak bytes"]
+    wrapped = ORTModule(model, memory_budget=without)
+    for batch in (2, 3, 2):
+        ids = torch.randint(0, 64, (batch, 32))
+        loss = wrapped(ids, ids.roll(-1, 1))
+        assert loss.item() == pytest.approx(reference(ids, ids.roll(-1, 1)).item(), rel=1e-5)
+        loss.backward()
+    assert [action for action, _ in wrapped.transitions.transitions] == ["export", "export", "switch"]
+    assert "over the memory budget" in wrapped.transitions.transitions[1][1]
+    (first, second), = ([graph for _, graph in graphs] for graphs in wrapped.transitions._graphs.values())
+    assert "occurrences recomputed" not in first.report["recompute"].stats["counts"]
+    counts = second.report["recompute"].stats["counts"]
+    assert counts["occurrences recomputed"] > 0 and counts["predicted peak bytes"] <= without
+    with pytest.raises(PassFailedError, match="smallest step peak recompute reaches"):
+        ids = torch.randint(0, 64, (8, 32))
+        wrapped(ids, ids.roll(-1, 1))

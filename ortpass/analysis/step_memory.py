@@ -72,8 +72,13 @@ def predict_step_memory(
 ) -> StepMemory:
     """Simulate the allocations of one run of ``model``'s graph at ``dims`` (dim param ->
     size; a static graph needs none).  ``graph_order``: the graph's nodes in the order a
-    pass is about to write (default: as they are).  Read only."""
+    pass is about to write (default: as they are).  Graph-internal dims (``unk__3``, named
+    by shape inference) get their values at ``dims`` from shape inference.  Read only."""
     nodes = ort_default_order(list(model.graph) if graph_order is None else list(graph_order))
+    if dims:
+        internal = memory.graph_dim_params(v for node in nodes for v in node.outputs) - set(dims)
+        if internal:
+            dims = {**dims, **memory.bind_internal_dims(model, dims, internal)}
     buffers = memory.BufferMap(lambda node: memory.is_alias_node(node) or _fused_into_matmul(node))
     sizes = ValueSizes(buffers, _buffers_backward_reads(model, nodes, buffers), min_elements=0)
     position = {node: i for i, node in enumerate(nodes)}

@@ -32,6 +32,7 @@ from ortpass.analysis import memory
 from ortpass.analysis.ort_order import gradient_leaf_order
 from ortpass.analysis.layers import find_layer_boundaries
 from ortpass.analysis.partition import get_partition, is_backward
+from ortpass.analysis.plans import PlanType
 from ortpass.analysis.recompute.result import Occurrence, RecomputeReport, node_name
 from ortpass.analysis.recompute.rewrite import rewritten_peak
 from ortpass.analysis.recompute.timing import CostModel
@@ -44,7 +45,7 @@ __all__ = ["BudgetPlan", "parse_budget", "plan_for_budget"]
 logger = logging.getLogger(__name__)
 
 _MIB = 1 << 20
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 
 
@@ -68,7 +69,7 @@ def parse_budget(budget: int | float | str) -> tuple[str, float]:
     if isinstance(budget, str):
         match = _SIZE.match(budget)
         if match is None or match.group(2).lower() not in _UNITS:
-            raise PlanError(f"memory budget {budget!r} is not a size: write a number and a unit (B, KB, MB, GB, KiB, MiB, GiB)")
+            raise PlanError(f"memory budget {budget!r} is not a size: write a number and a unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
         return "bytes", float(match.group(1)) * _UNITS[match.group(2).lower()]
     raise PlanError(f"memory budget must be bytes (an int or '6GiB') or a fraction in [0, 1], not {budget!r}")
 
@@ -133,12 +134,12 @@ def plan_for_budget(
     """Choose the occurrences of ``report`` (an analysis of ``model``, every candidate of
     the graph) that fit ``budget`` at the least added time.  Read only."""
     kind, amount = parse_budget(budget)
-    ranked, seconds = _rank(model, report, cost_model)
+    ranked, seconds, group_ends = _rank(model, report, cost_model)
 
     def peak(count: int) -> int:
         return rewritten_peak(model, ranked[:count], report.positions, report.dims)
 
-    search = _PrefixSearch(peak, len(ranked))
+    search = _PrefixSearch(peak, len(ranked), group_ends)
     without, (best, floor) = search.peak(0), search.lowest()
     target = int(amount) if kind == "bytes" else int(floor + amount * (without - floor))
     if target < floor:
@@ -172,9 +173,12 @@ class _PrefixSearch:
 
     SAMPLES = 8
 
-    def __init__(self, evaluate, length: int) -> None:
+    def __init__(self, evaluate, length: int, also: Sequence[int] = ()) -> None:
+        """``also``: lengths to try besides the evenly spaced ones (where the ranking's
+        groups end)."""
         self.evaluate = evaluate
         self.length = length
+        self.also = list(also)
         self.known: dict[int, int] = {}
 
     def peak(self, count: int) -> int:
@@ -184,7 +188,7 @@ class _PrefixSearch:
 
     def lowest(self) -> tuple[int, int]:
         """(length, peak) of the lowest-peaked prefix among the sampled lengths."""
-        lengths = sorted({round(self.length * i / self.SAMPLES) for i in range(self.SAMPLES + 1)})
+        lengths = sorted({round(self.length * i / self.SAMPLES) for i in range(self.SAMPLES + 1)} | set(self.also))
         best = min(lengths, key=lambda n: (self.peak(n), n))
         return best, self.peak(best)
 
@@ -202,11 +206,17 @@ class _PrefixSearch:
         return high, self.peak(high)
 
 
-def _rank(model: ir.Model, report: RecomputeReport, cost_model: CostModel) -> tuple[list[Occurrence], list[float]]:
-    """Every entry's occurrences in the order the budget should take them: greedily, what
-    lowers the interval model's peak most per second of recompute (where nothing lowers
-    it, what frees most at the peak's position), then the rest by bytes freed per second.
-    One occurrence per entry (full or compromise)."""
+def _rank(model: ir.Model, report: RecomputeReport, cost_model: CostModel) -> tuple[list[Occurrence], list[float], list[int]]:
+    """Every entry's occurrence in the order the budget should take them, their seconds,
+    and where each group of the order ends.
+
+    Within a group: greedily, what lowers the interval model's peak most per second of
+    recompute (where nothing lowers it, what frees most at the peak's position), then the
+    rest by bytes freed per second.  The groups, a hint from the layer structure: inside
+    the layers first, then outside them (the loss's and the embedding's neighbours), then
+    the layers' inputs, whose recompute makes every recomputation reading them wait on it.
+    One occurrence per entry: the full recompute where there is one (as levels 1 and 2).
+    """
     # The order the recompute pass writes (its clones aside): the weight gradients' chains
     # run as soon as they can, which is what the budget is about.
     step = predict_step_memory(model, report.dims, graph_order=gradient_leaf_order(list(model.graph)))
@@ -215,15 +225,22 @@ def _rank(model: ir.Model, report: RecomputeReport, cost_model: CostModel) -> tu
             f"a memory budget needs every value's size, and {len(step.unknown)} are unknown at the dims "
             f"{report.dims} (e.g. {step.unknown[0]!r}): export with the batch's dims recorded, or give them"
         )
-    occurrences = [o for plan in report.plans for o in plan.occurrences]
+    found = [o for plan in report.plans for o in plan.occurrences]
+    full = {o.entry for o in found if o.type == PlanType.RECOMPUTE}
+    occurrences = [o for o in found if o.type == PlanType.RECOMPUTE or o.entry not in full]
     deltas = _Deltas(step, report, occurrences)
     seconds = np.array([cost_model.seconds(o.nodes, report.dims) for o in occurrences])
     order = _greedy(deltas, np.maximum(seconds, 1e-12))
-    # A layer's input, recomputed, makes every recomputation reading it wait on its own:
-    # a hint from the layer structure, taken last.
     layers = find_layer_boundaries(get_partition(model).forward)
-    order.sort(key=lambda i: any(layers.is_checkpoint(v) for v in occurrences[i].stashed))  # stable
-    return [occurrences[i] for i in order], [float(seconds[i]) for i in order]
+
+    def group(i: int) -> int:
+        if any(layers.is_checkpoint(v) for v in occurrences[i].stashed):
+            return 2
+        return 0 if occurrences[i].layer is not None else 1
+
+    order.sort(key=group)  # stable: the greedy order within each group
+    ends = [sum(1 for i in order if group(i) <= g) for g in (0, 1)]
+    return [occurrences[i] for i in order], [float(seconds[i]) for i in order], ends
 
 
 class _Deltas:

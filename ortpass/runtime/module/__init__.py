@@ -48,6 +48,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from ortpass.errors import OrtpassError
+from ortpass.runtime.module.budget import BudgetFit
 from ortpass.runtime.module.graphs import BuiltGraph, GraphBuilding
 from ortpass.runtime.module.steps import LossRun, LossStep, SplitRun, SplitStep, to_ortvalue, to_torch
 from ortpass.runtime.module.transitions import (
@@ -117,8 +118,10 @@ class ORTModule(GraphBuilding, torch.nn.Module):
             or a string such as ``"6GiB"``; the peak above the weights and the batch) or
             a fraction between recomputing every candidate (0.0) and nothing (1.0).
             Planned at the dims of the batch a graph is built for
-            (:func:`ortpass.analysis.recompute.budget.plan_for_budget`); a budget no
-            recompute reaches raises, naming the lowest peak it can reach.
+            (:func:`ortpass.analysis.recompute.budget.plan_for_budget`); with bytes, a
+            batch at which that graph would go over the budget gets a graph planned at its
+            sizes (:mod:`ortpass.runtime.module.budget`).  A budget no recompute reaches
+            raises, naming the lowest peak it can reach.
 
     ``state_dict()`` keys carry the ``module.`` prefix (as with DDP); the wrapped module is
     ``.module``.  ``graph_builds`` counts the graphs built (exported and optimized) in this
@@ -168,12 +171,14 @@ class ORTModule(GraphBuilding, torch.nn.Module):
             from ortpass.passes import DEFAULT_PIPELINE
 
             pipeline = DEFAULT_PIPELINE
+        self.budget_fit: BudgetFit | None = None
         if memory_budget is not None:
             from ortpass.analysis.recompute.budget import parse_budget
             from ortpass.infra.pipeline_text import with_memory_budget
 
-            parse_budget(memory_budget)  # refused when wrapping, not at the first step
+            kind, amount = parse_budget(memory_budget)  # refused when wrapping, not at the first step
             pipeline = with_memory_budget(pipeline, memory_budget)
+            self.budget_fit = BudgetFit(int(amount)) if kind == "bytes" else None
         self.module = module
         self.pipeline = pipeline
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
@@ -214,7 +219,7 @@ class ORTModule(GraphBuilding, torch.nn.Module):
             names = [name for name, leaf in leaves if isinstance(leaf, torch.Tensor)]
             _refuse_autocast(self.module, tensors)
             graph = self.transitions.graph_for(
-                schema, tensors, names, lambda s: self._build(s, leaves, spec, bound, tensors)
+                schema, tensors, names, lambda s: self._build(s, leaves, spec, bound, tensors), self.budget_fit
             )
         except OrtpassError as exc:
             if self.fallback != "torch":

@@ -54,6 +54,8 @@ class BuiltGraph:
     output_spec: Any  # a TreeSpec
     output_leaves: list[tuple[str, str]]
     report: Any = None  # the pipeline's PassReport (None for a graph loaded from the cache)
+    training_model: Any = None  # the training graph, kept where a memory budget is checked at new sizes
+    fits_budget: dict = dataclasses.field(default_factory=dict)  # sizes -> within the budget there
 
     @functools.cached_property
     def written_by_ort(self) -> set[str]:
@@ -363,6 +365,7 @@ class GraphBuilding:
             output_spec=output_spec,
             output_leaves=[tuple(pair) for pair in meta["output_leaves"]],
             report=report,
+            training_model=model if kind != "forward" and self.budget_fit is not None else None,
         )
 
 

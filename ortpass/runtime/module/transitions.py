@@ -138,7 +138,9 @@ class GraphTransitionManager:
 
     def __init__(self) -> None:
         self._graphs: dict[InputSchema, list[tuple[PinnedDims, Any]]] = {}
-        self.current: tuple[InputSchema, PinnedDims] | None = None
+        # The schema, dims and graph the last call ran: two graphs of one schema can share
+        # their dims (a memory budget planned again at a larger batch).
+        self.current: tuple[InputSchema, PinnedDims, Any] | None = None
         self.transitions: list[tuple[str, str]] = []  # (action, reason): "export"/"load"/"switch"/"fallback"
 
     def graph_for(
@@ -147,18 +149,30 @@ class GraphTransitionManager:
         tensors: list[torch.Tensor],
         names: list[str],
         build: Callable[[InputSchema], tuple[Any, str, PinnedDims]],
+        fits: Callable[[Any, list[torch.Tensor]], bool] | None = None,
     ) -> Any:
+        """The graph a call with ``tensors`` runs: the first built for ``schema`` that
+        accepts their sizes (and, given ``fits``, that ``fits`` them: a memory budget),
+        else a new one from ``build``."""
         built = self._graphs.setdefault(schema, [])
+        over_budget = False
         for pinned, graph in built:
             if pinned.accepts(tensors):
-                if self.current != (schema, pinned):
+                if fits is not None and not fits(graph, tensors):
+                    over_budget = True
+                    continue
+                if self.current is None or self.current[2] is not graph:
                     self.record("switch", f"back to a graph built before: {self._reason(schema, tensors, names)}")
-                    self.current = (schema, pinned)
+                    self.current = (schema, pinned, graph)
                 return graph
-        reason = self._reason(schema, tensors, names)
+        reason = (
+            "the graphs built for these inputs would go over the memory budget at these sizes"
+            if over_budget
+            else self._reason(schema, tensors, names)
+        )
         graph, action, pinned = build(schema)
         built.append((pinned, graph))
-        self.current = (schema, pinned)
+        self.current = (schema, pinned, graph)
         self.record(action, reason)
         return graph
 
@@ -170,10 +184,7 @@ class GraphTransitionManager:
     @property
     def current_graph(self) -> Any:
         """The graph the last call ran (None before the first)."""
-        if self.current is None:
-            return None
-        schema, pinned = self.current
-        return next(graph for p, graph in self._graphs[schema] if p == pinned)
+        return None if self.current is None else self.current[2]
 
     def clear(self) -> None:
         """Forget every graph (their sessions go with them)."""
