@@ -107,6 +107,19 @@ def test_a_node_of_initializers_alone_is_folded_unless_an_initializer_can_be_fed
     assert fed.peak_bytes == 3 * 128  # k is also a graph input: c is computed in the step
 
 
+def test_a_data_dependent_dim_is_counted_at_the_largest_input():
+    """NonZero(x[b,8]) is 2 x n, n the nonzero count, known only when the step runs: at
+    b = 4 the prediction bounds n by x's 32 elements (the rows a gather keeps are at most
+    the batch's tokens), so a budget it meets is met."""
+    x, w = oh.make_tensor_value_info("x", F, ["b", 8]), oh.make_tensor_value_info("w", F, [64, 64])
+    model = _graph([oh.make_node("NonZero", ["x"], ["n"]), oh.make_node("Transpose", ["n"], ["t"], perm=[1, 0])],
+                   [x, w], [oh.make_tensor_value_info("t", onnx.TensorProto.INT64, None)])
+    assert not predict_step_memory(model).exact  # without dims, nothing is bounded
+    step = predict_step_memory(model, {"b": 4})  # bounded by x (the batch), not by the weight w
+    assert step.exact and len(step.bounded) == 1
+    assert step.live.tolist() == [2 * 32 * 8, 2 * 2 * 32 * 8]  # n, then t while n is read
+
+
 def test_step_memory_names_values_of_unknown_size():
     model = _view_graph()
     next(n for n in model.graph if n.name == "n5").outputs[0].shape = ir.Shape(["batch", 8])

@@ -52,6 +52,8 @@ class StepMemory:
     live: np.ndarray
     nodes: list[ir.Node]
     unknown: list[str]  # values whose size is unknown at the dims: not counted
+    bounded: list[str] = dataclasses.field(default_factory=list)  # data-dependent dims, at their bound
+    dims: dict[str, int] = dataclasses.field(default_factory=dict)  # every dim the sizes were taken at
 
     @property
     def peak_bytes(self) -> int:
@@ -75,10 +77,13 @@ def predict_step_memory(
     pass is about to write (default: as they are).  Graph-internal dims (``unk__3``, named
     by shape inference) get their values at ``dims`` from shape inference.  Read only."""
     nodes = ort_default_order(list(model.graph) if graph_order is None else list(graph_order))
-    if dims:
+    bounded: dict[str, int] = {}
+    if dims is not None:
         internal = memory.graph_dim_params(v for node in nodes for v in node.outputs) - set(dims)
         if internal:
             dims = {**dims, **memory.bind_internal_dims(model, dims, internal)}
+            bounded = _bound_data_dependent_dims(model, dims, internal - set(dims))
+            dims = {**dims, **bounded}
     buffers = memory.BufferMap(lambda node: memory.is_alias_node(node) or _fused_into_matmul(node))
     sizes = ValueSizes(buffers, _buffers_backward_reads(model, nodes, buffers), min_elements=0)
     position = {node: i for i, node in enumerate(nodes)}
@@ -107,7 +112,7 @@ def predict_step_memory(
             delta[last_read.get(value, end) + 1] -= nbytes
     if unknown:
         logger.info("step memory: %d values of unknown size not counted (e.g. %r)", len(unknown), unknown[0])
-    return StepMemory(np.cumsum(delta)[:-1], nodes, unknown)
+    return StepMemory(np.cumsum(delta)[:-1], nodes, unknown, sorted(bounded), dict(dims or {}))
 
 
 def _last_reads(nodes: Sequence[ir.Node], position: Mapping[ir.Node, int], buffers: memory.BufferMap, end: int) -> dict[ir.Value, int]:
@@ -192,6 +197,24 @@ def _inference_mode_ctx(value: ir.Value) -> bool:
         return False
     mode = producer.attributes.get("training_mode")
     return mode is not None and mode.as_int() == 0
+
+
+def _bound_data_dependent_dims(model: ir.Model, dims: Mapping[str, int], unbound: set[str]) -> dict[str, int]:
+    """A value for each internal dim shape inference cannot give at ``dims``: one that
+    depends on the data (the rows the gather before the loss keeps, those with a label).
+    Such a dim counts rows selected from the batch's tokens, so it is bounded by the
+    element count of the largest input with symbolic dims (``batch x seq``: the batch, not
+    a weight); the prediction is then an upper bound, which keeps a budget met.  A static
+    graph has no such input, and its data-dependent dims stay unknown."""
+    if not unbound:
+        return {}
+    batch = [v for v in model.graph.inputs if v.shape is not None and any(isinstance(d, ir.SymbolicDim) for d in v.shape)]
+    counts = [memory.evaluate(memory.symbolic_numel(v), dims) for v in batch]
+    bound = max((c for c in counts if c is not None), default=None)
+    if bound is None:
+        return {}
+    logger.info("step memory: data-dependent dims %s counted at their bound, %d", sorted(unbound), bound)
+    return {name: bound for name in unbound}
 
 
 def _untyped_unread_gradient(value: ir.Value) -> bool:

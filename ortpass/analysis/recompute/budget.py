@@ -134,10 +134,10 @@ def plan_for_budget(
     """Choose the occurrences of ``report`` (an analysis of ``model``, every candidate of
     the graph) that fit ``budget`` at the least added time.  Read only."""
     kind, amount = parse_budget(budget)
-    ranked, seconds, group_ends = _rank(model, report, cost_model)
+    ranked, seconds, group_ends, dims = _rank(model, report, cost_model)
 
     def peak(count: int) -> int:
-        return rewritten_peak(model, ranked[:count], report.positions, report.dims)
+        return rewritten_peak(model, ranked[:count], report.positions, dims)
 
     search = _PrefixSearch(peak, len(ranked), group_ends)
     without, (best, floor) = search.peak(0), search.lowest()
@@ -206,9 +206,12 @@ class _PrefixSearch:
         return high, self.peak(high)
 
 
-def _rank(model: ir.Model, report: RecomputeReport, cost_model: CostModel) -> tuple[list[Occurrence], list[float], list[int]]:
+def _rank(
+    model: ir.Model, report: RecomputeReport, cost_model: CostModel
+) -> tuple[list[Occurrence], list[float], list[int], dict[str, int]]:
     """Every entry's occurrence in the order the budget should take them, their seconds,
-    and where each group of the order ends.
+    where each group of the order ends, and every dim the step's sizes are taken at
+    (internal and data-dependent ones included: the rewrites are predicted at them).
 
     Within a group: greedily, what lowers the interval model's peak most per second of
     recompute (where nothing lowers it, what frees most at the peak's position), then the
@@ -240,7 +243,7 @@ def _rank(model: ir.Model, report: RecomputeReport, cost_model: CostModel) -> tu
 
     order.sort(key=group)  # stable: the greedy order within each group
     ends = [sum(1 for i in order if group(i) <= g) for g in (0, 1)]
-    return [occurrences[i] for i in order], [float(seconds[i]) for i in order], ends
+    return [occurrences[i] for i in order], [float(seconds[i]) for i in order], ends, step.dims
 
 
 class _Deltas:
