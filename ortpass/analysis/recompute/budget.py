@@ -253,10 +253,9 @@ class _Deltas:
 
     def __init__(self, step, report: RecomputeReport, occurrences: Sequence[Occurrence]) -> None:
         position = {node: i for i, node in enumerate(step.nodes)}
-        reads = _ReadSpans(step.nodes, position)
+        reads = _ReadSpans(step.nodes, position, report)
         intervals = [_intervals(o, report, reads, position) for o in occurrences]
         cuts = sorted({0, len(step.nodes)} | {p for spans in intervals for s, e, _ in spans for p in (s, e + 1)})
-        cuts = [c for c in cuts if 0 <= c <= len(step.nodes)]
         self.segment_max = np.maximum.reduceat(step.live, cuts[:-1]) if len(step.live) else np.zeros(0, np.int64)
         index = {c: i for i, c in enumerate(cuts)}
         self.matrix = np.zeros((len(occurrences), len(cuts) - 1), dtype=np.int64)
@@ -304,9 +303,9 @@ def _greedy(deltas: _Deltas, seconds: np.ndarray) -> list[int]:
 
 class _ReadSpans:
     """Where each buffer is read in forward and in backward (positions in execution
-    order, over the buffer and every view of it)."""
+    order, over the buffer and every view of it), and the report's stashed buffers."""
 
-    def __init__(self, nodes: Sequence[ir.Node], position: dict[ir.Node, int]) -> None:
+    def __init__(self, nodes: Sequence[ir.Node], position: dict[ir.Node, int], report: RecomputeReport) -> None:
         self.buffers = memory.BufferMap()
         self.forward: dict[ir.Value, list[int]] = collections.defaultdict(list)
         self.backward: dict[ir.Value, list[int]] = collections.defaultdict(list)
@@ -315,6 +314,11 @@ class _ReadSpans:
             for value in node.inputs:
                 if value is not None:
                     side[self.buffers.root(value)].append(position[node])
+        # Once for every occurrence: each stashed buffer's stashed views and its bytes.
+        self.stashed_views: dict[ir.Value, set[ir.Value]] = collections.defaultdict(set)
+        for stashed in report.stashed:
+            self.stashed_views[stashed.buffer].add(stashed.value)
+        self.stashed_bytes = {s.buffer: s.bytes for s in report.stashed}
 
 
 def _intervals(occ: Occurrence, report: RecomputeReport, reads: _ReadSpans, position: dict[ir.Node, int]) -> list[tuple[int, int, int]]:
@@ -322,10 +326,7 @@ def _intervals(occ: Occurrence, report: RecomputeReport, reads: _ReadSpans, posi
     live bytes: minus each buffer it frees between forward and backward, plus each value
     it keeps until its last backward reader."""
     members = set(occ.nodes)
-    views = collections.defaultdict(set)
-    for stashed in report.stashed:
-        views[stashed.buffer].add(stashed.value)
-    sizes = {s.buffer: s.bytes for s in report.stashed}
+    views, sizes = reads.stashed_views, reads.stashed_bytes
     spans = []
     last_backward = 0
     for buffer in dict.fromkeys(reads.buffers.root(v) for v in occ.stashed):

@@ -55,8 +55,9 @@ def rewritten_peak(
         return predict_step_memory(model, dims).peak_bytes
     copy = model.clone()
     counterpart = dict(zip(model.graph, copy.graph))
-    mapped = nodes_to_clone([_Moved(counterpart, occ) for occ in occurrences], {counterpart[n]: p for n, p in positions.items() if n in counterpart})
-    apply_occurrences(copy, mapped, {counterpart[n]: p for n, p in positions.items() if n in counterpart})
+    copy_positions = {counterpart[n]: p for n, p in positions.items() if n in counterpart}
+    nodes = nodes_to_clone([_Moved(counterpart, occ) for occ in occurrences], copy_positions)
+    apply_occurrences(copy, nodes, copy_positions)
     return predict_step_memory(copy, dims).peak_bytes
 
 
