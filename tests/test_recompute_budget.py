@@ -24,7 +24,7 @@ from ortpass.analysis.step_memory import kernel_scratch, predict_step_memory
 from ortpass.errors import PassFailedError, PipelineSpecError, PlanError
 from ortpass.export import export
 from ortpass.ops.dropout import dropout_seed
-from ortpass.passes import FixDropoutSeedPass, RecomputePass
+from ortpass.passes import FixDropoutSeedPass, OrderBackwardJoinsPass, RecomputePass, ReplayDropoutMaskPass
 from ortpass.runtime import TrainingSession
 from ortpass.testing.models import GPTDecoder
 from ortpass.training import build_training_graph
@@ -257,6 +257,28 @@ def test_the_predicted_peak_is_the_rewritten_graphs(decoder_graph):
     result = ortpass.PassManager([FixDropoutSeedPass(budget=middle.target_bytes), RecomputePass(budget=middle.target_bytes)], assume=["training-graph"])(model)
     counts = result.report["recompute"].stats["counts"]
     assert counts["predicted peak bytes"] == predict_step_memory(result.model).peak_bytes <= middle.target_bytes
+
+
+def test_the_budget_is_judged_on_the_graph_the_pipeline_ends_with(decoder_graph):
+    # replay-dropout-mask stops the forward Dropouts producing their masks, which lowers
+    # the peak without recompute: a budget between the two peaks needs recompute only
+    # where the pipeline ends with the recompute pass.
+    def run(*after):
+        passes = [FixDropoutSeedPass(budget=budget), RecomputePass(budget=budget), *after]
+        return ortpass.PassManager(passes, assume=["training-graph"])(decoder_graph.clone()), passes
+
+    finished = predict_step_memory(ReplayDropoutMaskPass()(decoder_graph.clone()).model).peak_bytes
+    unfinished = predict_step_memory(decoder_graph).peak_bytes
+    assert finished < unfinished
+    budget = (finished + unfinished) // 2
+    ended, passes = run(ReplayDropoutMaskPass(), OrderBackwardJoinsPass())
+    assert not any(n.name.endswith("_recompute") for n in ended.model.graph)
+    counts = ended.report["recompute"].stats["counts"]
+    assert counts["predicted peak bytes"] == predict_step_memory(ended.model).peak_bytes == finished <= budget
+    assert all(p.following == () for p in passes)  # lent for the call only
+    alone, _ = run()
+    assert any(n.name.endswith("_recompute") for n in alone.model.graph)
+    assert alone.report["recompute"].stats["counts"]["predicted peak bytes"] <= budget
 
 
 def test_a_budget_under_the_lowest_reachable_peak_names_that_peak_and_changes_nothing(decoder_graph):

@@ -19,6 +19,12 @@ passes without relying on list position:
     Names of cached analyses (:mod:`ortpass.infra.analysis_cache`) that stay valid after this
     pass changed the model; the manager drops the others.  Inside a manager run a pass
     finds the run's cache in :attr:`OrtPass.analysis_cache` (None when run alone).
+``shapes_step_memory``
+    True for a post-grad pass that changes what backward keeps alive or the order it
+    runs in, cheaply (the ordering passes, the dropout-mask replay).  A pass that plans
+    for the step's memory (the memory budget) runs the passes after it in the pipeline
+    that declare it, on each graph it tries, so that it judges the peak the pipeline
+    ends with; inside a manager run :attr:`OrtPass.following` lists those passes.
 
 Most passes rewrite in place (:class:`OrtPass`); a pass that builds a new model, like the
 gradient build, derives from :class:`OrtFunctionalPass`.
@@ -30,7 +36,8 @@ During ``call`` a pass records what it did with :meth:`OrtPass.count` and
 from __future__ import annotations
 
 import collections
-from typing import Any, ClassVar, Literal
+import contextlib
+from typing import Any, Callable, ClassVar, Iterator, Literal, Sequence
 
 import onnx_ir as ir
 
@@ -62,8 +69,12 @@ class PassDeclarations:
     runs_before: ClassVar[frozenset[str]] = frozenset()
     runs_after: ClassVar[frozenset[str]] = frozenset()
     preserves_analyses: ClassVar[frozenset[str]] = frozenset()
+    shapes_step_memory: ClassVar[bool] = False
     #: The running manager's analysis cache, set by the manager for the duration of a call.
     analysis_cache: AnalysisCache | None = None
+    #: The passes the running manager runs after this one (empty when run alone), set by
+    #: the manager for the duration of a call.
+    following: tuple[ir.passes.PassBase, ...] = ()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -81,6 +92,30 @@ class PassDeclarations:
             if isinstance(value, str):
                 raise TypeError(f"{cls.__name__}.{attr} must be a collection of names, not a str")
             setattr(cls, attr, frozenset(value))
+
+    @contextlib.contextmanager
+    def lent(self, cache: AnalysisCache, following: Sequence[ir.passes.PassBase]) -> Iterator[None]:
+        """Lend the pass a manager run's analysis cache and the passes after it, for one call."""
+        self.analysis_cache, self.following = cache, tuple(following)
+        try:
+            yield
+        finally:
+            self.analysis_cache, self.following = None, ()
+
+    def step_memory_finish(self) -> Callable[[ir.Model], ir.Model] | None:
+        """The passes of :attr:`following` that declare ``shapes_step_memory``, as one
+        function of a model the caller owns (they run in pipeline order, in place where
+        they are in-place passes); None where there are none."""
+        shaping = [p for p in self.following if getattr(p, "shapes_step_memory", False)]
+        if not shaping:
+            return None
+
+        def finish(model: ir.Model) -> ir.Model:
+            for later in shaping:
+                model = later(model).model
+            return model
+
+        return finish
 
     @property
     def pass_name(self) -> str:

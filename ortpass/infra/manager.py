@@ -18,7 +18,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, NoReturn
+from typing import Any, Callable, Iterable, Iterator, NoReturn, Sequence
 
 import onnx
 import onnx_ir as ir
@@ -262,7 +262,7 @@ class PassManager(ir.passes.FunctionalPass):
         record.nodes_before = len(before)
         start = time.perf_counter()
         try:
-            result = self._call_with_cache(pass_, work, run.cache)
+            result = self._call_with_cache(pass_, work, run.cache, self.passes[position:])
         except Exception as exc:
             record.seconds = time.perf_counter() - start
             self._fail(pass_, record, rollback, run.report, _describe(exc), exc)
@@ -309,7 +309,8 @@ class PassManager(ir.passes.FunctionalPass):
         """Run ``pass_`` once more, to rebuild a rollback point: no check, no instrument,
         no dump; the nodes it creates are tagged as the first time."""
         before = all_nodes(model)
-        result = self._call_with_cache(pass_, model, AnalysisCache())
+        following = self.passes[next(i for i, p in enumerate(self.passes) if p is pass_) + 1 :]
+        result = self._call_with_cache(pass_, model, AnalysisCache(), following)
         record = PassRecord(0, pass_name_of(pass_))
         self._record_changes(record, result, before)
         return result.model, record.nodes_after
@@ -331,15 +332,14 @@ class PassManager(ir.passes.FunctionalPass):
         return after
 
     @staticmethod
-    def _call_with_cache(pass_: ir.passes.PassBase, model: ir.Model, cache: AnalysisCache) -> ir.passes.PassResult:
-        """Run ``pass_``, lending an ortpass pass the run's analysis cache meanwhile."""
+    def _call_with_cache(
+        pass_: ir.passes.PassBase, model: ir.Model, cache: AnalysisCache, following: Sequence[ir.passes.PassBase] = ()
+    ) -> ir.passes.PassResult:
+        """Run ``pass_``, lending an ortpass pass the run's analysis cache and the passes after it meanwhile."""
         if not isinstance(pass_, PassDeclarations):
             return pass_(model)
-        pass_.analysis_cache = cache
-        try:
+        with pass_.lent(cache, following):
             return pass_(model)
-        finally:
-            pass_.analysis_cache = None
 
     @staticmethod
     def _unchanged(record: PassRecord) -> bool:

@@ -79,7 +79,7 @@ class FixDropoutSeedPass(OrtPass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         if self.selection.empty:
             return ir.passes.PassResult(model, modified=False)
-        _, _, occurrences = self.selection.select(model, self.analysis_cache)
+        _, _, occurrences = self.selection.select(model, self.analysis_cache, self.step_memory_finish())
         dropouts = {id(n): n for occ in occurrences for n in occ.nodes if is_dropout(n)}
         modified = False
         for node in dropouts.values():

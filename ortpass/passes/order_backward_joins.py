@@ -161,6 +161,7 @@ class OrderBackwardJoinsPass(OrtPass):
     """
 
     phase = "post-grad"
+    shapes_step_memory = True
     runs_after = frozenset({"recompute", "replay-dropout-mask", "recompute-gate-activation"})
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:

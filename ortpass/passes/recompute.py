@@ -29,7 +29,6 @@ from ortpass.analysis.recompute import (
 )
 from ortpass.analysis.recompute.rewrite import RECOMPUTE_SUFFIX, apply_occurrences, nodes_to_clone
 from ortpass.analysis.recompute.selection import AppliedPlan, RecomputeSelection
-from ortpass.analysis.step_memory import predict_step_memory
 from ortpass.conventions import DROPOUT_SEEDS_FIXED, RECOMPUTED
 from ortpass.infra.base import OrtPass
 from ortpass.infra.options import NonNegativeInt, ProbeLevelOption, RecomputeLevel
@@ -100,7 +99,7 @@ class RecomputePass(OrtPass):
             return ir.passes.PassResult(model, modified=False)
         cache = self.analysis_cache
         hits = cache.hits if cache is not None else 0
-        report, specs, occurrences = self.selection.select(model, cache)
+        report, specs, occurrences = self.selection.select(model, cache, self.step_memory_finish())
         if cache is not None and cache.hits > hits:
             self.count("analysis reused")
         nodes = nodes_to_clone(occurrences, report.positions)
@@ -108,7 +107,7 @@ class RecomputePass(OrtPass):
         rng_replay.check_pythonops(nodes)
         if not nodes:
             if self.selection.budget_plan is not None:
-                self._record_budget(model, report)
+                self._record_budget()
                 logger.info("recompute: %s", self.selection.budget_plan.summary())
             elif self.selection.level > 0:
                 _warn_nothing_layerwise(self.selection.level, report)
@@ -119,24 +118,18 @@ class RecomputePass(OrtPass):
         clones = apply_occurrences(model, nodes, report.positions, created_by=self.name)
         self._record(specs, occurrences, report, len(clones))
         if self.selection.budget_plan is not None:
-            self._record_budget(model, report)
+            self._record_budget()
         return ir.passes.PassResult(model, modified=True)
 
-    def _record_budget(self, model: ir.Model, report: RecomputeReport) -> None:
-        """Note the budget planner's choice, and the step peak predicted for the graph as
-        rewritten (the planner's own prediction adds up intervals; this walks the result)."""
+    def _record_budget(self) -> None:
+        """Note the budget planner's choice; its predicted peak is a walk of the graph the
+        pipeline ends with (this rewrite, then the passes after it that shape the step's
+        memory, made on a copy)."""
         plan = self.selection.budget_plan
         assert plan is not None
-        rewritten = predict_step_memory(model, report.dims).peak_bytes
-        self.note("budget", {**plan.to_dict(), "rewritten_graph_peak_bytes": rewritten})
-        self.count("predicted peak bytes", rewritten)
+        self.note("budget", plan.to_dict())
+        self.count("predicted peak bytes", plan.predicted_peak)
         self.count("budget target bytes", plan.target_bytes)
-        if rewritten > plan.target_bytes:
-            logger.warning(
-                "recompute: the rewritten graph's predicted step peak, %.1f MiB, is over the memory budget's "
-                "%.1f MiB (the planner predicted %.1f MiB)",
-                rewritten / 2**20, plan.target_bytes / 2**20, plan.predicted_peak / 2**20,
-            )
 
     def _record(self, specs: Sequence[PlanSpec], occurrences: Sequence[Occurrence], report, cloned: int) -> None:
         by_plan: dict[tuple[str, int], list[Occurrence]] = {}

@@ -59,6 +59,7 @@ class RecomputeGateActivationPass(OrtPass):
     """
 
     phase = "post-grad"
+    shapes_step_memory = True
     runs_after = frozenset({"recompute"})
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:

@@ -86,6 +86,7 @@ class ReplayDropoutMaskPass(OrtPass):
     """
 
     phase = "post-grad"
+    shapes_step_memory = True
     runs_after = frozenset({"recompute"})
 
     def __init__(self, *, base_seed: int = 0) -> None:

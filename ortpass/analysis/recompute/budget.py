@@ -34,7 +34,7 @@ from ortpass.analysis.layers import find_layer_boundaries
 from ortpass.analysis.partition import get_partition, is_backward
 from ortpass.analysis.plans import PlanType
 from ortpass.analysis.recompute.result import Occurrence, RecomputeReport, node_name
-from ortpass.analysis.recompute.rewrite import rewritten_peak
+from ortpass.analysis.recompute.rewrite import Finish, rewritten_peak
 from ortpass.analysis.recompute.timing import CostModel
 from ortpass.analysis.step_memory import predict_step_memory
 from ortpass.errors import PlanError
@@ -129,15 +129,20 @@ class BudgetPlan:
 
 
 def plan_for_budget(
-    model: ir.Model, report: RecomputeReport, budget: int | float | str, cost_model: CostModel
+    model: ir.Model, report: RecomputeReport, budget: int | float | str, cost_model: CostModel, finish: Finish | None = None
 ) -> BudgetPlan:
     """Choose the occurrences of ``report`` (an analysis of ``model``, every candidate of
-    the graph) that fit ``budget`` at the least added time.  Read only."""
+    the graph) that fit ``budget`` at the least added time.  Read only.
+
+    ``finish``: what the pipeline does after the rewrite that changes the step's memory
+    (the dropout-mask replay, the ordering passes), applied to each graph tried, so that
+    the peaks compared with the budget are those of the graph the pipeline ends with.
+    """
     kind, amount = parse_budget(budget)
     ranked, seconds, group_ends, dims = _rank(model, report, cost_model)
 
     def peak(count: int) -> int:
-        return rewritten_peak(model, ranked[:count], report.positions, dims)
+        return rewritten_peak(model, ranked[:count], report.positions, dims, finish)
 
     search = _PrefixSearch(peak, len(ranked), group_ends)
     without, (best, floor) = search.peak(0), search.lowest()

@@ -13,7 +13,7 @@ and each clone is placed right before its first backward consumer.
 from __future__ import annotations
 
 import logging
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import onnx_ir as ir
 
@@ -26,7 +26,7 @@ from ortpass.analysis.step_memory import predict_step_memory
 from ortpass.conventions import CREATED_BY_KEY, RECOMPUTE_OF_KEY, SIDE_KEY
 from ortpass.pythonop import rng_replay
 
-__all__ = ["RECOMPUTE_SUFFIX", "apply_occurrences", "nodes_to_clone", "rewritten_peak"]
+__all__ = ["RECOMPUTE_SUFFIX", "Finish", "apply_occurrences", "nodes_to_clone", "rewritten_peak"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,18 +46,30 @@ def apply_occurrences(
     return clones
 
 
+#: What a pipeline does to a graph after the recompute rewrite that changes the step's
+#: memory (the passes declaring ``shapes_step_memory``): takes a copy, returns the result.
+Finish = Callable[[ir.Model], ir.Model]
+
+
 def rewritten_peak(
-    model: ir.Model, occurrences: Sequence[Occurrence], positions: Mapping[ir.Node, int], dims: Mapping[str, int] | None
+    model: ir.Model,
+    occurrences: Sequence[Occurrence],
+    positions: Mapping[ir.Node, int],
+    dims: Mapping[str, int] | None,
+    finish: Finish | None = None,
 ) -> int:
     """The predicted step peak of ``model`` with ``occurrences`` recomputed, from the
-    rewrite made on a copy (``model`` is not changed)."""
-    if not occurrences:
+    rewrite made on a copy, then ``finish`` (``model`` is not changed)."""
+    if not occurrences and finish is None:
         return predict_step_memory(model, dims).peak_bytes
     copy = model.clone()
-    counterpart = dict(zip(model.graph, copy.graph))
-    copy_positions = {counterpart[n]: p for n, p in positions.items() if n in counterpart}
-    nodes = nodes_to_clone([_Moved(counterpart, occ) for occ in occurrences], copy_positions)
-    apply_occurrences(copy, nodes, copy_positions)
+    if occurrences:
+        counterpart = dict(zip(model.graph, copy.graph))
+        copy_positions = {counterpart[n]: p for n, p in positions.items() if n in counterpart}
+        nodes = nodes_to_clone([_Moved(counterpart, occ) for occ in occurrences], copy_positions)
+        apply_occurrences(copy, nodes, copy_positions)
+    if finish is not None:
+        copy = finish(copy)
     return predict_step_memory(copy, dims).peak_bytes
 
 

@@ -13,6 +13,7 @@ import onnx_ir as ir
 from ortpass.analysis.plans import PlanSpec, PlanType, load_plan_file, parse_plans
 from ortpass.analysis.recomputable_ops import ProbeLevel
 from ortpass.analysis.recompute.budget import BudgetPlan, parse_budget, plan_for_budget
+from ortpass.analysis.recompute.rewrite import Finish
 from ortpass.analysis.recompute.candidates import find_recompute_candidates
 from ortpass.analysis.recompute.timing import CostModel
 from ortpass.analysis.recompute.result import Occurrence, RecomputeReport
@@ -98,12 +99,14 @@ class RecomputeSelection:
         return self.level == 0 and self.budget is None and not any(p.type != PlanType.NONE for p in self.plans)
 
     def select(
-        self, model: ir.Model, cache: AnalysisCache | None = None
+        self, model: ir.Model, cache: AnalysisCache | None = None, finish: Finish | None = None
     ) -> tuple[RecomputeReport, list[PlanSpec], list[Occurrence]]:
         """Analyse ``model`` (read only); the plans in force and the occurrences they select.
 
         With a ``cache`` (a pass manager's), an analysis of the same model object with the
-        same options is reused (``RECOMPUTE_CANDIDATES``).
+        same options is reused (``RECOMPUTE_CANDIDATES``).  ``finish``: what the pipeline
+        does after the recompute rewrite that changes the step's memory, which the budget
+        planner applies to each graph it tries (see :func:`plan_for_budget`).
         """
         limits = {} if self.min_elements is None else {"min_elements": self.min_elements}
         if self.budget is not None and self.min_elements is None:
@@ -117,7 +120,7 @@ class RecomputeSelection:
 
         report = analyse() if cache is None else cache.get(key, model, analyse)
         if self.budget is not None:
-            return report, *self._select_for_budget(model, report, cache)
+            return report, *self._select_for_budget(model, report, cache, finish)
         if self.level == 0:
             specs = self.plans
         else:
@@ -126,7 +129,7 @@ class RecomputeSelection:
         return report, specs, report.select(specs)
 
     def _select_for_budget(
-        self, model: ir.Model, report: RecomputeReport, cache: AnalysisCache | None
+        self, model: ir.Model, report: RecomputeReport, cache: AnalysisCache | None, finish: Finish | None
     ) -> tuple[list[PlanSpec], list[Occurrence]]:
         """The budget planner's choice; with a ``cache``, made once per model object (the
         dropout-seeding pass and the recompute pass then clone the same subgraphs)."""
@@ -134,7 +137,7 @@ class RecomputeSelection:
         key = (RECOMPUTE_CANDIDATES, "budget", self.probe_level, self.min_elements, str(self.budget), cost_model)
 
         def plan() -> BudgetPlan:
-            return plan_for_budget(model, report, self.budget, cost_model)  # type: ignore[arg-type]
+            return plan_for_budget(model, report, self.budget, cost_model, finish)  # type: ignore[arg-type]
 
         self.budget_plan = plan() if cache is None else cache.get(key, model, plan)
         counts = collections.Counter((o.cluster, o.type) for o in self.budget_plan.chosen)
