@@ -652,13 +652,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--only", nargs="+", choices=KEYS,
-                        help="run these configurations (and what they need) only; prints them and records nothing")
+                        help="run these configurations (and what they need) only; prints them, and records them only with --out")
     parser.add_argument("--out", type=Path, help="write the records here (default: next to this script; "
                         "with ORTPASS_BENCH_TINY=1, nowhere unless given)")
     args = parser.parse_args(argv)
     results = run(args.models, args.seq, args.steps, args.only)
     text = markdown(results)
-    if args.only or (TINY and args.out is None):
+    if (args.only or TINY) and args.out is None:  # a subset is recorded only where asked
         print(text)
         return
     stem = "budget" if args.seq == 512 else f"budget_seq{args.seq}"
