@@ -314,16 +314,16 @@ def test_all_labels_ignored_gives_torchs_nan_loss_and_zero_gradients():
 
 
 def test_the_default_chunk_holds_32_mib_of_logits_at_the_graphs_rows():
-    from ortpass.passes.chunk_lm_head_loss import _chunk_columns
+    from ortpass.analysis.chunk_width import default_columns
 
-    assert _chunk_columns(1024, ir.DataType.FLOAT) == 8192  # GPT-2, batch 2 x 512
-    assert _chunk_columns(4096, ir.DataType.FLOAT) == 2048
-    assert _chunk_columns(4096, ir.DataType.DOUBLE) == 1024
-    assert _chunk_columns(10**6, ir.DataType.FLOAT) == 256  # never narrower
-    assert _chunk_columns(ir.SymbolicDim("rows"), ir.DataType.FLOAT) == 8192  # no dims to count them
+    assert default_columns(1024, ir.DataType.FLOAT) == 8192  # GPT-2, batch 2 x 512
+    assert default_columns(4096, ir.DataType.FLOAT) == 2048
+    assert default_columns(4096, ir.DataType.DOUBLE) == 1024
+    assert default_columns(10**6, ir.DataType.FLOAT) == 256  # never narrower
+    assert default_columns(ir.SymbolicDim("rows"), ir.DataType.FLOAT) == 8192  # no dims to count them
     rows = ir.SymbolicDim("batch*seq")  # the export's dims count symbolic rows
-    assert _chunk_columns(rows, ir.DataType.FLOAT, {"batch": 2, "seq": 2048}) == 2048
-    assert _chunk_columns(rows, ir.DataType.FLOAT, {"batch": 2}) == 8192
+    assert default_columns(rows, ir.DataType.FLOAT, {"batch": 2, "seq": 2048}) == 2048
+    assert default_columns(rows, ir.DataType.FLOAT, {"batch": 2}) == 8192
 
 
 class OutputLM(TinyLM):
@@ -443,3 +443,70 @@ def test_ortmodule_on_the_torch_builder_trains_like_torch_with_the_loss_chunked(
     labels[0, 1] = VOCAB + 3
     with pytest.raises(IndexError, match=f"outside \\[0, {VOCAB}\\)"):
         wrapped(ids, labels)
+
+
+# -- the slices' width under a memory budget -------------------------------------------------------
+
+
+WIDE_VOCAB = 2048  # 2 MiB of logits at 4 x 64 rows, far more than the rest of the step
+
+
+class WideVocabLM(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(WIDE_VOCAB, HIDDEN)
+        self.fc = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.head = torch.nn.Linear(HIDDEN, WIDE_VOCAB, bias=False)
+
+    def forward(self, ids, labels):
+        logits = self.head(torch.tanh(self.fc(self.emb(ids))))
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, WIDE_VOCAB), labels.reshape(-1), ignore_index=IGNORE)
+
+
+def _wide_args() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(2)
+    return tuple(torch.randint(0, WIDE_VOCAB, (4, 64), generator=generator) for _ in range(2))
+
+
+def _budget_pipeline(module: torch.nn.Module, budget):
+    from ortpass.infra.pipeline_text import with_memory_budget
+
+    forward = export(module, _wide_args(), input_names=["ids", "labels"])
+    return ortpass.pipeline(with_memory_budget(DEFAULT_PIPELINE, budget))(forward)
+
+
+def test_a_memory_budget_narrows_the_slices_only_as_far_as_it_needs():
+    from ortpass.analysis.step_memory import predict_step_memory
+
+    def run(budget):
+        result = _budget_pipeline(module, budget)
+        stats = result.report["chunk-lm-head-loss"].stats
+        (note,) = stats["notes"]["budget"]
+        return result, note, [c["chunk"] for c in stats["notes"].get("chunked", [])]
+
+    torch.manual_seed(0)
+    module = WideVocabLM()
+    _, loose, widths = run("1GiB")  # the default width: one slice, nothing chunked
+    assert loose["halvings"] == 0 and widths == []
+    _, half, widths = run(loose["lowest_peak_bytes"] - 1)  # just under recompute's lowest with the whole logits
+    assert half["halvings"] == 1 and widths == [WIDE_VOCAB // 2]
+    assert half["lowest_peak_bytes"] < loose["lowest_peak_bytes"]
+    budget = half["lowest_peak_bytes"] - 1  # just under it with two slices
+    result, quarter, widths = run(budget)
+    assert quarter["halvings"] == 2 and widths == [WIDE_VOCAB // 4]
+    assert predict_step_memory(result.model).peak_bytes <= budget
+    check_parity(module, _wide_args(), result.model, input_names=["ids", "labels"]).assert_ok()
+
+
+def test_a_budget_no_width_meets_is_refused_by_recompute_naming_the_lowest_peak():
+    from ortpass.errors import PassFailedError
+
+    with pytest.raises(PassFailedError, match="smallest step peak recompute reaches"):
+        _budget_pipeline(WideVocabLM(), 1024)
+
+
+def test_a_width_and_a_budget_together_are_refused():
+    from ortpass.errors import PlanError
+
+    with pytest.raises(PlanError, match="not both"):
+        ChunkLmHeadLossPass(chunk=512, budget="1GiB")

@@ -335,6 +335,11 @@ def test_a_memory_budget_replaces_the_plan_options_of_both_recompute_passes():
     )
     with pytest.raises(PipelineSpecError, match="needs a recompute pass"):
         with_memory_budget("build-training-graph,order-backward-joins", 0.5)
+    # The LM head's slices are chosen by the budget too, unless their width is given.
+    assert with_memory_budget("chunk-lm-head-loss,recompute", "1GiB") == (
+        "chunk-lm-head-loss(budget='1GiB'),fix-dropout-seed(budget='1GiB'),recompute(budget='1GiB')"
+    )
+    assert with_memory_budget("chunk-lm-head-loss(chunk=512),recompute", 0.5).startswith("chunk-lm-head-loss(chunk=512),")
 
 
 def test_the_wrapper_refuses_a_bad_budget_when_wrapping():

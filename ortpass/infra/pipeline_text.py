@@ -264,8 +264,9 @@ def with_memory_budget(spec: str, budget: Any) -> str:
     by the memory ``budget`` (``budget=`` in place of ``plans``, ``level`` and
     ``config_file``; their other options kept).  A ``fix-dropout-seed`` with recompute's
     options is added before a ``recompute`` that has none, since both must choose the same
-    subgraphs.  A pipeline
-    without ``recompute`` is refused: nothing in it could spend the budget."""
+    subgraphs.  A ``chunk-lm-head-loss`` without a ``chunk`` chooses its slices' width by the
+    budget too.  A pipeline without ``recompute`` is refused: nothing in it could spend the
+    budget."""
     specs = parse_pipeline(spec)
     if not any(s.name == "recompute" for s in specs):
         raise PipelineSpecError(f"a memory budget needs a recompute pass in the pipeline, and {_quote_around(spec, 0)} has none")
@@ -273,6 +274,9 @@ def with_memory_budget(spec: str, budget: Any) -> str:
     ends = [s.position for s in specs[1:]] + [len(spec)]
     parts = []
     for s, end in zip(specs, ends):
+        if s.name == "chunk-lm-head-loss" and "chunk" not in s.options:
+            parts.append(f"chunk-lm-head-loss(budget={budget!r})")  # its width too, unless given
+            continue
         if s.name not in ("recompute", "fix-dropout-seed"):
             parts.append(spec[s.position : end].strip().rstrip(","))
             continue

@@ -36,6 +36,12 @@ slice of the kept logits), and their gradient scattered back into the other rows
 Runs after the gradient build and before ``accumulate-gradients-early`` (a tied weight's
 head part is then the slices' concatenation) and ``recompute``.  Statistics: ``losses chunked``, ``losses skipped``;
 notes ``chunked`` (loss, vocabulary, slices, chunk) and ``skipped`` (loss, reason).
+
+Width.  Without a ``chunk``, a slice holds :data:`DEFAULT_CHUNK_BYTES` of logits.  With a
+memory ``budget`` in bytes, it is halved (from the narrower of it and the vocabulary, down
+to 256 columns) where recompute could not meet the budget otherwise
+(:mod:`ortpass.analysis.recompute.chunk_width`).  A fraction is relative to the graph's
+own peaks, which every width meets: it keeps the default.
 """
 
 from __future__ import annotations
@@ -45,7 +51,8 @@ import logging
 
 import onnx_ir as ir
 
-from ortpass.analysis.memory import dim_expr, evaluate
+from ortpass.analysis.recompute.budget import parse_budget
+from ortpass.analysis.chunk_width import DEFAULT_CHUNK_BYTES, default_columns, halved, halvings_for_budget
 from ortpass.analysis.partition import (
     TrainingInfo,
     get_training_info,
@@ -59,6 +66,7 @@ from ortpass.analysis.region_gradients import (
     region_backward,
 )
 from ortpass.conventions import is_onnx_domain
+from ortpass.errors import PlanError
 from ortpass.graph.names import NameAllocator
 from ortpass.infra.base import OrtPass
 from ortpass.infra.metadata import get_export_info
@@ -71,11 +79,6 @@ __all__ = ["DEFAULT_CHUNK_BYTES", "ChunkLmHeadLossPass"]
 
 logger = logging.getLogger(__name__)
 
-#: Logits bytes of one slice when the rows are known: 32 MiB (see ``_chunk_columns``).
-DEFAULT_CHUNK_BYTES = 32 * 1024 * 1024
-# The slice width when the row count is symbolic, and the granularity of any width.
-_SYMBOLIC_ROWS_CHUNK = 8192
-_CHUNK_GRANULE = 256
 _FLOAT_TYPES = frozenset({ir.DataType.FLOAT, ir.DataType.DOUBLE})
 
 
@@ -104,24 +107,35 @@ class ChunkLmHeadLossPass(OrtPass):
 
     ``chunk``: the slice width in vocabulary columns; default: as many columns as make
     :data:`DEFAULT_CHUNK_BYTES` of logits at the graph's row count (symbolic rows counted
-    at the export's dims; 8192 when there are none), a multiple of 256.
+    at the export's dims; 8192 when there are none), a multiple of 256.  ``budget``: the
+    step's memory budget, as ``recompute(budget=...)`` takes it; in bytes, the default
+    width narrows where recompute could not meet it otherwise (module docstring).  A
+    ``budget`` note says which width was chosen and why.
     """
 
     phase = "post-grad"
     runs_before = frozenset({"accumulate-gradients-early", "recompute"})
 
-    def __init__(self, *, chunk: int | None = None) -> None:
+    def __init__(self, *, chunk: int | None = None, budget: int | float | str | None = None) -> None:
         super().__init__()
         if chunk is not None and chunk < 1:
             raise ValueError(f"chunk must be a positive number of vocabulary columns, got {chunk}")
+        if chunk is not None and budget is not None:
+            raise PlanError(f"give chunk= or budget=, not both: the budget chooses the width (got chunk={chunk}, budget={budget!r})")
         self.chunk = chunk
+        self.budget = budget
+        self._target = parse_budget(budget) if budget is not None else None
+        self._halvings = 0  # of the default width (chunk_width.halved)
 
     def __repr__(self) -> str:
-        return f"ChunkLmHeadLossPass(chunk={self.chunk})"
+        budget = "" if self.budget is None else f", budget={self.budget!r}"
+        return f"ChunkLmHeadLossPass(chunk={self.chunk}{budget})"
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         if not is_training_graph(model):
             return ir.passes.PassResult(model, modified=False)
+        if self._target is not None and self._target[0] == "bytes":
+            self._halvings = self._halvings_for_budget(model, int(self._target[1]))
         info = get_training_info(model)
         matches = []
         for node in model.graph:
@@ -136,6 +150,17 @@ class ChunkLmHeadLossPass(OrtPass):
         for match in matches:  # every check passed before the first edit
             self._rewrite(model, match)
         return ir.passes.PassResult(model, modified=bool(matches))
+
+    def _halvings_for_budget(self, model: ir.Model, target: int) -> int:
+        def chunk_at(halvings: int) -> tuple[ir.Model, list[int]]:
+            trial = ChunkLmHeadLossPass()
+            trial._halvings = halvings
+            chunked = trial(model.clone()).model
+            return chunked, [note["chunk"] for note in trial.stats.get("notes", {}).get("chunked", [])]
+
+        choice = halvings_for_budget(chunk_at, target)
+        self.note("budget", {"target_bytes": target, **choice.to_dict()})
+        return choice.halvings
 
     # -- matching ---------------------------------------------------------------------------
     def _match(self, model: ir.Model, side: LossSide, info: TrainingInfo) -> _Match:
@@ -162,7 +187,7 @@ class ChunkLmHeadLossPass(OrtPass):
         if logits_rows.shape[1] != vocab:
             raise _Skip(f"the loss's logits have {logits_rows.shape[1]} columns, not the head's vocabulary {vocab}")
         rows = logits_rows.shape[0]
-        chunk = self.chunk or _chunk_columns(rows, dtype, get_export_info(model).get("dims"))
+        chunk = self.chunk or halved(default_columns(rows, dtype, get_export_info(model).get("dims")), vocab, self._halvings)
         if vocab <= chunk:
             raise _Skip(f"vocabulary {vocab} fits one chunk of {chunk} columns")
         region = [n for n in (transpose, head) if n is not None] + inner + ([bias_add] if bias_add is not None else []) + reshapes + side.nodes
@@ -217,6 +242,7 @@ class ChunkLmHeadLossPass(OrtPass):
         hidden_grad, bias_grad = written.hidden_grad, written.bias_grad
         if match.hidden_3d is not None:
             shape_of = backward.add(ir.node("Shape", [match.hidden_3d]), "hidden_shape")
+            shape_of.shape, shape_of.dtype = ir.Shape([match.hidden_3d.shape.rank()]), ir.DataType.INT64
             hidden_grad = backward.reshape(hidden_grad, shape_of, match.hidden_3d.shape, head.dtype, "hidden_grad_3d")
         if match.bias_grad is not None and bias_grad is not None:
             bias_grad = backward.reshape(bias_grad, backward.ints(list(match.bias_grad.shape)), match.bias_grad.shape, head.dtype, "bias_grad_as_bias")
@@ -320,17 +346,6 @@ def _is_weight_like(value: ir.Value | None) -> bool:
         return False
     producer = value.producer()
     return producer is None or producer.op_type == "Constant"
-
-
-def _chunk_columns(rows: int | ir.SymbolicDim, dtype: ir.DataType, dims: dict[str, int] | None = None) -> int:
-    """Columns that make DEFAULT_CHUNK_BYTES of logits at ``rows``: a static count, or a
-    symbolic one at the export's ``dims``; else 8192."""
-    if not isinstance(rows, int):
-        rows = evaluate(dim_expr(rows, unknown_name="rows"), dims) if dims else None
-    if rows is None:
-        return _SYMBOLIC_ROWS_CHUNK
-    columns = DEFAULT_CHUNK_BYTES // max(1, rows * dtype.bitwidth // 8)
-    return max(_CHUNK_GRANULE, columns // _CHUNK_GRANULE * _CHUNK_GRANULE)
 
 
 def _value_named(graph: ir.Graph, name: str) -> ir.Value | None:
