@@ -18,9 +18,17 @@ started from a parent that imports only the standard library, glibc
 step peak = highest RSS during a step above the RSS after setup and a warm-up step.  Only
 memory is reported: the step times are recorded in the JSON but the 2 cores are shared.
 
+With ``--budget F`` a third pipeline replaces recompute's level 1 by a memory budget,
+``recompute(budget=F)`` (issue #34: recompute without layer boundaries), and two families
+outside the suite can be named, where level 1 finds little to recompute: OLMo2 (its RMSNorm
+sits on the sublayer's output, before the residual Add) and MobileBERT (``NoNorm``, no
+LayerNorm); each row then also gives each configuration's step time (from the memory run:
+the 2 cores are shared) and the peak the budget planner predicted.
+
 Usage: ``python benchmarks/family_memory.py [--families gpt2 llama ...] [--layers 2]
-[--steps 1]``.  Writes ``family_memory.json`` and ``.md`` next to this script (a subset of
-the families writes ``family_memory_subset.*``; another layer count adds ``_layers<N>``).
+[--steps 1] [--budget 0.0]``.  Writes ``family_memory.json`` and ``.md`` next to this script
+(a subset of the families writes ``family_memory_subset.*``; another layer count adds
+``_layers<N>``, a budget ``_budget``).
 """
 
 from __future__ import annotations
@@ -102,11 +110,21 @@ FAMILIES: dict[str, tuple[str, str, str, dict]] = {
         use_cache=False)),
 }
 
+#: Outside the conformance suite: only with ``--budget`` (see the module docstring).
+BUDGET_FAMILIES: dict[str, tuple[str, str, str, dict]] = {
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", "causal", dict(_CAUSAL, pad_token_id=1, **_TOKENS)),
+    "mobilebert": ("MobileBertConfig", "MobileBertForMaskedLM", "mlm", dict(
+        _ENCODER, embedding_size=128, intra_bottleneck_size=128, true_hidden_size=128, max_position_embeddings=SEQ)),
+}
+
 CONFIGS = [
     # (key, label)
     ("no_recompute", "default pipeline without recompute"),
     ("default", "default pipeline"),
 ]
+BUDGET = os.environ.get("ORTPASS_BENCH_BUDGET")  # --budget F sets it for the children
+if BUDGET is not None:
+    CONFIGS.append(("budget", f"default pipeline, recompute(budget={BUDGET}) for level 1"))
 
 
 def pipelines() -> dict[str, str]:
@@ -119,7 +137,12 @@ def pipelines() -> dict[str, str]:
     no_recompute = DEFAULT_PIPELINE.replace(",recompute(level=1)", "")
     if no_recompute == DEFAULT_PIPELINE or "recompute(" not in default:
         raise RuntimeError(f"the default pipeline no longer holds ',recompute(level=1)': {DEFAULT_PIPELINE}")
-    return {"no_recompute": no_recompute, "default": default}
+    texts = {"no_recompute": no_recompute, "default": default}
+    if BUDGET is not None:
+        from ortpass.infra.pipeline_text import with_memory_budget
+
+        texts["budget"] = with_memory_budget(DEFAULT_PIPELINE, float(BUDGET))
+    return texts
 
 
 def _batch(labels: str):
@@ -147,7 +170,7 @@ def child_prepare(work: Path, family: str) -> dict:
     import ortpass
     from ortpass.export import export
 
-    config_class, model_class, labels, keywords = FAMILIES[family]
+    config_class, model_class, labels, keywords = {**FAMILIES, **BUDGET_FAMILIES}[family]
     torch.manual_seed(0)
     model = getattr(transformers, model_class)(getattr(transformers, config_class)(**keywords))
 
@@ -171,7 +194,7 @@ def child_prepare(work: Path, family: str) -> dict:
         result = ortpass.pipeline(text)(forward)
         ir.save(result.model, work / f"{key}.onnx")
         info["nodes"][key] = len(result.model.graph)
-        info["recompute"][key] = dict(result.report["recompute"].stats.get("counts", {})) if key == "default" else {}
+        info["recompute"][key] = dict(result.report["recompute"].stats.get("counts", {})) if key != "no_recompute" else {}
     return info
 
 
@@ -179,8 +202,9 @@ def run(families: list[str], steps: int) -> dict:
     results: dict = {
         "model": {"layers": LAYERS, "hidden": HIDDEN, "heads": HEADS, "kv_heads": KV_HEADS, "ffn": FFN, "vocab": VOCAB,
                   "positions": SEQ, "batch": BATCH, "seq": SEQ, "dropout": DROPOUT, "min_elements": MIN_ELEMENTS},
-        "configs": {family: {"config": FAMILIES[family][0], "model": FAMILIES[family][1], "labels": FAMILIES[family][2],
-                             "keywords": FAMILIES[family][3]} for family in families},
+        "configs": {family: dict(zip(("config", "model", "labels", "keywords"), {**FAMILIES, **BUDGET_FAMILIES}[family]))
+                    for family in families},
+        "budget": BUDGET,
         "cpus": os.cpu_count(),
         "steps_after_warm_up": steps,
         "load_average_before": os.getloadavg(),
@@ -222,6 +246,14 @@ def rows(results: dict) -> list[dict]:
             "clones": entry["prepare"]["recompute"]["default"].get("nodes cloned", 0),
             "ort_recompute_nodes": entry["configs"]["default"]["ort_recompute_nodes"],
         })
+        if "budget" in entry["configs"]:
+            counts = entry["prepare"]["recompute"]["budget"]
+            table[-1].update(
+                peak_budget_mib=entry["configs"]["budget"]["step_peak_mib"],
+                predicted_budget_mib=counts.get("predicted peak bytes", 0) / 2**20,
+                budget_clones=counts.get("nodes cloned", 0),
+                **{f"step_seconds_{key}": entry["configs"][key]["step_seconds"] for key in ("no_recompute", "default", "budget")},
+            )
     return table
 
 
@@ -247,6 +279,21 @@ def markdown(results: dict) -> str:
             f"| {row['family']} | {row['peak_without_mib']:.0f} | {row['peak_with_mib']:.0f} | "
             f"{row['reduction_percent']:.0f} | {row['clones']} ({row['ort_recompute_nodes']}) |"
         )
+    if results.get("budget") is not None:
+        lines += [
+            "",
+            f"With `recompute(budget={results['budget']})` in place of level 1 (step peak MiB / step s, from the memory "
+            "run; the budget's peak as its planner predicted it in brackets):",
+            "",
+            "| family | without recompute | level 1 | budget | budget's clones |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        lines += [
+            f"| {r['family']} | {r['peak_without_mib']:.0f} / {r['step_seconds_no_recompute']:.2f} | "
+            f"{r['peak_with_mib']:.0f} / {r['step_seconds_default']:.2f} | {r['peak_budget_mib']:.0f} / "
+            f"{r['step_seconds_budget']:.2f} ({r['predicted_budget_mib']:.0f}) | {r['budget_clones']} |"
+            for r in rows(results)
+        ]
     return "\n".join(lines)
 
 
@@ -261,17 +308,25 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(out))
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
+    parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=[*FAMILIES, *BUDGET_FAMILIES])
     parser.add_argument("--steps", type=int, default=1, help="steps after the warm-up (the first is measured)")
     parser.add_argument("--layers", type=int, default=LAYERS)
+    parser.add_argument("--budget", type=float, help="add recompute(budget=F) in place of level 1, a fraction in [0, 1]")
     args = parser.parse_args(argv)
-    if args.layers != LAYERS:  # the configs are built at import: start again with the new count
+    budget = None if args.budget is None else str(args.budget)
+    if args.layers != LAYERS or budget != BUDGET:  # the configs are built at import: start again
         os.environ["ORTPASS_BENCH_LAYERS"] = str(args.layers)
+        if budget is not None:
+            os.environ["ORTPASS_BENCH_BUDGET"] = budget
         os.execv(sys.executable, [sys.executable, str(Path(__file__).resolve()), *argv])
+    if any(family in BUDGET_FAMILIES for family in args.families) and BUDGET is None:
+        parser.error(f"{', '.join(BUDGET_FAMILIES)} are measured with --budget only (they are not in the conformance suite)")
     results = run(args.families, args.steps)
     stem = "family_memory" if args.families == list(FAMILIES) else "family_memory_subset"
     if LAYERS != 2:
         stem += f"_layers{LAYERS}"
+    if BUDGET is not None:
+        stem += "_budget"
     rm.record(HERE / stem, results, markdown(results))
 
 

@@ -122,6 +122,18 @@ def test_family_memory_measures_both_pipelines_on_two_tiny_families(monkeypatch)
 
 
 @pytest.mark.slow
+def test_family_memory_with_a_budget_adds_the_budget_row_and_its_predicted_peak(monkeypatch):
+    monkeypatch.setenv("ORTPASS_BENCH_TINY", "1")
+    monkeypatch.setenv("ORTPASS_BENCH_BUDGET", "0.0")  # what --budget 0.0 sets for the children
+    family_memory = _load("family_memory")
+    results = family_memory.run(["gpt2"], steps=1)
+    (row,) = family_memory.rows(results)
+    assert row["budget_clones"] > 0 and row["predicted_budget_mib"] > 0
+    assert row["peak_budget_mib"] >= 0 and row["step_seconds_budget"] > 0
+    assert "| family | without recompute | level 1 | budget | budget's clones |" in family_memory.markdown(results)
+
+
+@pytest.mark.slow
 def test_hf_memory_measures_every_configuration_on_a_tiny_gpt2(monkeypatch):
     monkeypatch.setenv("ORTPASS_BENCH_TINY", "1")  # read by the script and by its children
     hf_memory = _load("hf_memory")
