@@ -120,6 +120,28 @@ def test_a_data_dependent_dim_is_counted_at_the_largest_input():
     assert step.live.tolist() == [2 * 32 * 8, 2 * 2 * 32 * 8]  # n, then t while n is read
 
 
+@pytest.mark.parametrize("training_mode, peak", [(1, 8192), (0, 4104)])
+def test_a_training_pythonops_ctx_holds_its_saved_inputs_and_its_outputs(training_mode, peak):
+    """q, k, v = Relu(x) (1 KiB each) -> fused attention PythonOp -> ctx, out (1 KiB);
+    PythonOpGrad(ctx, g) -> dq.  In training mode the bridge's ctx keeps the Function's
+    q, k, v (saved) and its out (ORT got a copy): at the PythonOp, q, k, v, the ctx's 4 KiB
+    and out.  In inference mode (a recompute made it so) the ctx is its int64 handle."""
+    from ortpass.conventions import FUSED_ATTENTION, MS_DOMAIN, SIDE_KEY
+
+    vector = [oh.make_tensor_value_info(n, F, [256]) for n in ("x", "g")]
+    nodes = [oh.make_node("Relu", ["x"], [n]) for n in ("q", "k", "v")] + [
+        oh.make_node("PythonOp", ["q", "k", "v"], ["ctx", "out"], domain=MS_DOMAIN, func_name=FUSED_ATTENTION,
+                     training_mode=training_mode),
+        oh.make_node("PythonOpGrad", ["ctx", "g"], ["dq"], domain=MS_DOMAIN, func_name=FUSED_ATTENTION, name="grad"),
+    ]
+    graph = oh.make_graph(nodes, "g", vector, [oh.make_tensor_value_info(n, F, [256]) for n in ("out", "dq")],
+                          value_info=[oh.make_tensor_value_info("ctx", onnx.TensorProto.INT64, []),
+                                      *(oh.make_tensor_value_info(n, F, [256]) for n in ("q", "k", "v"))])
+    model = ir.from_proto(oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17), oh.make_opsetid(MS_DOMAIN, 1)], ir_version=8))
+    model.graph.node(4).metadata_props[SIDE_KEY] = "backward"
+    assert predict_step_memory(model).peak_bytes == peak
+
+
 def test_step_memory_names_values_of_unknown_size():
     model = _view_graph()
     next(n for n in model.graph if n.name == "n5").outputs[0].shape = ir.Shape(["batch", 8])

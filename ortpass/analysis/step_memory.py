@@ -9,7 +9,8 @@ as a reader would; graph outputs, and values nobody reads, are held to the step'
 batch) are the baseline the step starts from and are not counted: the prediction is the
 step's peak *above* them, what the benchmarks measure as step peak.  A registered
 recomputable PythonOp's ctx output holds what its Function saved (its tensor inputs that
-backward does not read; :class:`~ortpass.analysis.recompute.cost.ValueSizes`).
+backward does not read; :class:`~ortpass.analysis.recompute.cost.ValueSizes`) and, run in
+training mode, the Function's own outputs, of which ORT got copies.
 
 While a node runs, its kernel's scratch is live too.  Most CPU kernels allocate none; the
 ones that do, measured alone on ONNX Runtime 1.19.2's CPU provider at the benchmarks'
@@ -104,6 +105,7 @@ def predict_step_memory(
             if _untyped_unread_gradient(value):
                 continue
             held = memory.symbolic_nbytes(value) if _inference_mode_ctx(value) else sizes.nbytes(value)
+            held = _plus_outputs_the_ctx_keeps(value, held)
             nbytes = memory.evaluate(held, dims)
             if nbytes is None:
                 unknown.append(value.name)
@@ -197,6 +199,19 @@ def _inference_mode_ctx(value: ir.Value) -> bool:
         return False
     mode = producer.attributes.get("training_mode")
     return mode is not None and mode.as_int() == 0
+
+
+def _plus_outputs_the_ctx_keeps(value: ir.Value, held):
+    """``held``, plus, for the ctx output of a PythonOp run in training mode, the bytes of
+    its other outputs: the bridge hands ORT a copy of each and keeps the Function's own in
+    the ctx for backward (``ortpass.pythonop.bridge``).  Measured on HF LLaMA with fused
+    attention (benchmarks/budget.py): without them the step was predicted one attention
+    output per layer low (16 MiB at seq 512, 64 at 2048)."""
+    producer = value.producer()
+    if producer is None or producer.op_type != "PythonOp" or value.index() != 0 or _inference_mode_ctx(value):
+        return held
+    outputs = [memory.symbolic_nbytes(v) for v in producer.outputs[1:] if v.name]
+    return None if held is None or None in outputs else held + sum(outputs)
 
 
 def _bound_data_dependent_dims(model: ir.Model, dims: Mapping[str, int], unbound: set[str]) -> dict[str, int]:
