@@ -60,9 +60,14 @@ class RecomputePass(OrtPass):
     ``FixDropoutSeedPass`` with the same options first (the pass manager does, from the
     ``"dropout-seeds-fixed"`` requirement).
 
+    With ``budget``, the memory-budget planner chooses the occurrences, judging each choice
+    on a copy rewritten by this pass and then by the passes after it in the pipeline that
+    declare ``shapes_step_memory`` (:attr:`OrtPass.following`).
+
     Statistics: ``plans applied``, ``occurrences recomputed``, ``nodes cloned``,
     ``expected saving bytes`` counters; an ``applied`` note per plan (:class:`AppliedPlan`);
-    also kept in :attr:`applied` after a run.
+    also kept in :attr:`applied` after a run.  With a budget: ``predicted peak bytes`` (of
+    the graph the pipeline ends with), ``budget target bytes``, a ``budget`` note.
     """
 
     phase = "post-grad"
