@@ -373,6 +373,18 @@ def test_the_wrapper_refuses_a_bad_budget_when_wrapping():
         ORTModule(torch.nn.Linear(2, 2), pipeline="build-training-graph", memory_budget=0.5)
 
 
+def _step(optimizers, losses) -> None:
+    for optimizer, loss in zip(optimizers, losses):
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _assert_parameters_match(model: torch.nn.Module, reference: torch.nn.Module) -> None:
+    for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
+        assert ((p - ref).abs().max() / max(ref.abs().max().item(), 1.0)).item() <= 1e-4, name
+
+
 @pytest.mark.parametrize("loss_in", ["module", "torch"])
 def test_the_wrapper_trains_like_torch_eager_under_a_memory_budget(loss_in):
     """HF LLaMA (2 layers) for 5 AdamW steps under the tightest budget, its loss returned by
@@ -401,12 +413,8 @@ def test_the_wrapper_trains_like_torch_eager_under_a_memory_budget(loss_in):
         ids = torch.randint(0, 256, (2, 32), generator=generator)
         losses = [loss_of(m, ids) for m in (wrapped, reference)]
         assert losses[0].item() == pytest.approx(losses[1].item(), rel=1e-4), f"step {step}"
-        for optimizer, loss in zip(optimizers, losses):
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-    for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
-        assert ((p - ref).abs().max() / max(ref.abs().max().item(), 1.0)).item() <= 1e-4, name
+        _step(optimizers, losses)
+    _assert_parameters_match(model, reference)
     counts = wrapped.transitions.current_graph.report["recompute"].stats["counts"]
     assert counts["occurrences recomputed"] > 0
     assert counts["predicted peak bytes"] <= counts["budget target bytes"]
@@ -466,10 +474,6 @@ def test_the_wrapper_under_a_budget_trains_like_torch_with_frozen_and_eval_submo
         ids = torch.randint(0, 64, (batch, 32))
         losses = [m(ids, ids.roll(-1, 1)) for m in (wrapped, reference)]
         assert losses[0].item() == pytest.approx(losses[1].item(), rel=1e-5), f"step {step}"
-        for optimizer, loss in zip(optimizers, losses):
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-    for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
-        assert ((p - ref).abs().max() / max(ref.abs().max().item(), 1.0)).item() <= 1e-4, name
+        _step(optimizers, losses)
+    _assert_parameters_match(model, reference)
     assert wrapped.transitions.current_graph.report["recompute"].stats["counts"]["occurrences recomputed"] > 0

@@ -21,7 +21,7 @@ from typing import Callable
 import onnx_ir as ir
 
 from ortpass.analysis.memory import dim_expr, evaluate
-from ortpass.analysis.recompute.budget import plan_for_budget
+from ortpass.analysis.recompute.budget import lowest_step_peak
 from ortpass.analysis.recompute.candidates import find_recompute_candidates
 from ortpass.analysis.recompute.timing import CostModel
 from ortpass.errors import PlanError
@@ -75,7 +75,7 @@ def halvings_for_budget(chunk_at: Callable[[int], tuple[ir.Model, list[int]]], t
     while True:
         chunked, widths = chunk_at(halvings)
         try:
-            lowest = plan_for_budget(chunked, find_recompute_candidates(chunked, min_elements=0), 0.0, cost_model).peak_floor
+            lowest = lowest_step_peak(chunked, find_recompute_candidates(chunked, min_elements=0), cost_model)
         except PlanError:  # a size is unknown: the recompute pass will say which
             return WidthChoice(0, [], None)
         # Stop where it fits, where no loss can be chunked (none even at one halving), or at the narrowest.

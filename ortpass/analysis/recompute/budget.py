@@ -40,7 +40,7 @@ from ortpass.analysis.step_memory import predict_step_memory
 from ortpass.errors import PlanError
 from ortpass.infra.text_table import format_table, wrap_line
 
-__all__ = ["BudgetPlan", "parse_budget", "plan_for_budget"]
+__all__ = ["BudgetPlan", "lowest_step_peak", "parse_budget", "plan_for_budget"]
 
 logger = logging.getLogger(__name__)
 
@@ -139,12 +139,7 @@ def plan_for_budget(
     the peaks compared with the budget are those of the graph the pipeline ends with.
     """
     kind, amount = parse_budget(budget)
-    ranked, seconds, group_ends, dims = _rank(model, report, cost_model)
-
-    def peak(count: int) -> int:
-        return rewritten_peak(model, ranked[:count], report.positions, dims, finish)
-
-    search = _PrefixSearch(peak, len(ranked), group_ends)
+    ranked, seconds, search = _search(model, report, cost_model, finish)
     without, (best, floor) = search.peak(0), search.lowest()
     target = int(amount) if kind == "bytes" else int(floor + amount * (without - floor))
     if target < floor:
@@ -165,6 +160,24 @@ def plan_for_budget(
         seconds=[seconds[i] for i in order],
         cost_model=cost_model,
     )
+
+
+def lowest_step_peak(model: ir.Model, report: RecomputeReport, cost_model: CostModel) -> int:
+    """The lowest step peak recompute reaches in ``model``, the floor a budget is planned
+    against (no plan is chosen).  Read only."""
+    return _search(model, report, cost_model, None)[2].lowest()[1]
+
+
+def _search(
+    model: ir.Model, report: RecomputeReport, cost_model: CostModel, finish: Finish | None
+) -> tuple[list[Occurrence], list[float], _PrefixSearch]:
+    """The ranked occurrences, their seconds, and the search over the ranking's prefixes."""
+    ranked, seconds, group_ends, dims = _rank(model, report, cost_model)
+
+    def peak(count: int) -> int:
+        return rewritten_peak(model, ranked[:count], report.positions, dims, finish)
+
+    return ranked, seconds, _PrefixSearch(peak, len(ranked), group_ends)
 
 
 class _PrefixSearch:
