@@ -12,11 +12,12 @@ from ortpass.passes.onnxscript_optimize import OnnxscriptOptimizePass
 from ortpass.passes.order_backward_joins import OrderBackwardJoinsPass
 from ortpass.passes.pythonop_shape_inference import PythonOpShapeInferencePass
 from ortpass.passes.recompute import RecomputePass
+from ortpass.passes.recompute_again_late import RecomputeAgainLatePass
 from ortpass.passes.recompute_gate_activation import RecomputeGateActivationPass
 from ortpass.passes.replay_dropout_mask import ReplayDropoutMaskPass
 from ortpass.passes.scatter_embedding_gradient import ScatterEmbeddingGradientPass
 
-__all__ = ["CREATED_BY_KEY", "DEFAULT_PIPELINE", "AccumulateGradientsEarlyPass", "BuildTrainingGraphPass", "CheckIndexRangesPass", "ChunkLmHeadLossPass", "FixDropoutSeedPass", "InsertGatherBeforeSceLossPass", "OnnxscriptOptimizePass", "OrderBackwardJoinsPass", "OrtFunctionalPass", "OrtPass", "PythonOpShapeInferencePass", "RecomputeGateActivationPass", "RecomputePass", "ReplayDropoutMaskPass", "ScatterEmbeddingGradientPass"]
+__all__ = ["CREATED_BY_KEY", "DEFAULT_PIPELINE", "AccumulateGradientsEarlyPass", "BuildTrainingGraphPass", "CheckIndexRangesPass", "ChunkLmHeadLossPass", "FixDropoutSeedPass", "InsertGatherBeforeSceLossPass", "OnnxscriptOptimizePass", "OrderBackwardJoinsPass", "OrtFunctionalPass", "OrtPass", "PythonOpShapeInferencePass", "RecomputeAgainLatePass", "RecomputeGateActivationPass", "RecomputePass", "ReplayDropoutMaskPass", "ScatterEmbeddingGradientPass"]
 
 #: What ``ortpass optimize``, ``ortpass.ORTModule`` and the golden suite run without ``--pipeline``: every built-in pass (the manager
 #: orders them from their declarations), recompute at ORTModule's layer-wise level 1 with
@@ -29,5 +30,5 @@ __all__ = ["CREATED_BY_KEY", "DEFAULT_PIPELINE", "AccumulateGradientsEarlyPass",
 DEFAULT_PIPELINE = (
     "pythonop-shape-inference,insert-gather-before-sce-loss(move_above_projection=True),build-training-graph,"
     "chunk-lm-head-loss,check-index-ranges,accumulate-gradients-early,scatter-embedding-gradient,fix-dropout-seed(level=1),recompute(level=1),"
-    "replay-dropout-mask,recompute-gate-activation,order-backward-joins"
+    "replay-dropout-mask,recompute-gate-activation,order-backward-joins,recompute-again-late"
 )

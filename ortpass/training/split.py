@@ -44,7 +44,7 @@ from ortpass.conventions import MS_DOMAIN, SIDE_KEY, is_onnx_domain
 from ortpass.errors import TrainingGraphError
 from ortpass.ops.dropout import is_dropout
 
-__all__ = ["SplitGraphs", "declare_types", "masks_read_where_redraws_differ", "read_forward_masks", "split_training_graph"]
+__all__ = ["MASK_PRODUCT_INFIX", "SplitGraphs", "declare_types", "masks_read_where_redraws_differ", "read_forward_masks", "split_training_graph"]
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +152,11 @@ def declare_types(graph: onnx.GraphProto, elem_types: dict[str, int]) -> None:
         value.type.tensor_type.elem_type = elem_types[value.name]
 
 
+#: In the names of the nodes that replace a backward Dropout reading a kept mask: after
+#: the Dropout's own name.
+MASK_PRODUCT_INFIX = "_kept_mask"
+
+
 def read_forward_masks(model: ir.Model, standard_ops: bool | None = None) -> int:
     """Make every backward Dropout seeded like a forward Dropout read that Dropout's mask
     instead of drawing it again; returns how many were rewritten.  The product is
@@ -239,7 +244,7 @@ def _read_mask(graph: ir.Graph, redraw: ir.Node, mask: ir.Value, standard_ops: b
     if not _is_constant_true(mode):
         # Without training mode the Dropout is the identity; the build removes such nodes.
         raise TrainingGraphError(f"backward Dropout {redraw.name!r} is not in training mode; cannot pair its mask")
-    stem = f"{redraw.name}_kept_mask"
+    stem = f"{redraw.name}{MASK_PRODUCT_INFIX}"
     if standard_ops:
         nodes = _masked_product(inputs[0], mask, ratio, stem)
     else:

@@ -1,0 +1,266 @@
+"""Recompute a value again for its late readers, where holding it from its early ones sets the peak.
+
+``recompute`` clones each recomputed subgraph once, right before its first backward reader,
+and every backward reader of a cloned value reads that clone.  When the readers are far
+apart the clone stays alive in between.  In the torch builder's graphs the recomputation a
+layer's MLP gradient needs (its input, the residual after attention) runs the layer's
+attention again, and the attention probabilities it computes on the way (and their
+dropout, each batch x heads x seq x seq) stay alive through the whole MLP backward, until
+the attention's own gradient reads them: GPT-2's and LLaMA's step peaked there, in the
+last layer's MLP backward, 64 and 32 MiB above what the MLP alone needs
+(``benchmarks/hf_memory.py``, batch 8 x 512).
+
+Rule: at the predicted step peak (:func:`~ortpass.analysis.step_memory.predict_step_memory`,
+in ORT's execution order), take each value alive there that a recompute clone produced
+and that is read after the peak.  Its *late readers* are those after the peak; the nodes
+to run again are its producer and, through their inputs, every recompute clone whose
+value would not be alive any more before the first late reader (at most
+:data:`MAX_CHAIN` nodes; no PythonOp, no node with a subgraph).  Those nodes are copied,
+in order, right before the first late reader in graph order, and every reader after the
+peak of a value they produce reads the copy's value instead.  Of the values at the peak,
+the copy that lowers the predicted peak the most is kept, and the search starts again at
+the new peak, until no copy lowers it.  A clone with no reader left before the peak is
+then unread and removed.  Each copy costs the time of its nodes, once a step; a copy that
+does not lower the peak is never made.
+
+Copies are exact: they run the same nodes on the same inputs (a recomputed Dropout keeps
+its fixed seed, or reads the forward mask where ``replay-dropout-mask`` made it so).
+Sizes come from the export's dims.  Runs after ``recompute`` and ``replay-dropout-mask``,
+and before the ordering passes, whose order the prediction then does not include; the
+memory-budget planner runs it on each graph it tries (``shapes_step_memory``).
+Statistics: ``values recomputed again``, ``nodes copied``, ``predicted peak bytes``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Mapping, Sequence
+
+import onnx_ir as ir
+
+from ortpass.analysis import memory
+from ortpass.analysis.partition import is_backward, is_training_graph
+from ortpass.analysis.ort_order import ort_default_order
+from ortpass.analysis.step_memory import StepMemory, predict_step_memory
+from ortpass.conventions import CREATED_BY_KEY, RECOMPUTE_OF_KEY
+from ortpass.graph.names import NameAllocator
+from ortpass.infra.base import OrtPass
+from ortpass.infra.metadata import get_export_info
+from ortpass.infra.registry import register_pass
+from ortpass.training.split import MASK_PRODUCT_INFIX, masks_read_where_redraws_differ
+
+__all__ = ["MAX_CHAIN", "RecomputeAgainLatePass"]
+
+logger = logging.getLogger(__name__)
+
+#: Most nodes one late copy runs again: an attention's probabilities from its query and
+#: key take six to nine (scores, scale, mask, softmax, dropout, views).
+MAX_CHAIN = 16
+LATE_SUFFIX = "_again"
+
+
+@register_pass("recompute-again-late")
+class RecomputeAgainLatePass(OrtPass):
+    """Copy a recomputation right before its late readers where that lowers the predicted
+    step peak (see the module docstring for the rule)."""
+
+    phase = "post-grad"
+    shapes_step_memory = True
+    runs_after = frozenset({"recompute", "replay-dropout-mask", "recompute-gate-activation", "order-backward-joins"})
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        if not is_training_graph(model):
+            return ir.passes.PassResult(model, modified=False)
+        dims = get_export_info(model).get("dims") or {}
+        step = _predict_as_run(model, dims)
+        names = NameAllocator.of_graph(model.graph)
+        modified = False
+        while True:
+            accepted = None
+            for copy in _candidates(model, step, dims):
+                copy.apply(model.graph, NameAllocator(names.taken))  # names taken for good below
+                trial = _predict_as_run(model, dims)
+                copy.undo(model.graph)
+                if trial.peak_bytes < step.peak_bytes:
+                    accepted = copy
+                    break
+            if accepted is None:
+                break
+            accepted.apply(model.graph, names)
+            accepted.drop_unread_originals(model.graph)
+            logger.debug("%s computed again before %s: peak %d -> %d bytes", accepted.value.name,
+                         accepted.place.name, step.peak_bytes, trial.peak_bytes)
+            step = trial
+            self.count("values recomputed again")
+            self.count("nodes copied", len(accepted.nodes))
+            modified = True
+        if modified:
+            self.count("predicted peak bytes", step.peak_bytes)
+        return ir.passes.PassResult(model, modified=modified)
+
+
+@dataclasses.dataclass
+class _LateCopy:
+    """The recompute clones ``nodes`` (graph order) producing ``value``, to be run again
+    right before ``place`` for ``readers`` (node, input index, original value)."""
+
+    value: ir.Value
+    nodes: list[ir.Node]
+    place: ir.Node
+    readers: list[tuple[ir.Node, int, ir.Value]]
+    copies: list[ir.Node] = dataclasses.field(default_factory=list)
+
+    def apply(self, graph: ir.Graph, names: NameAllocator) -> None:
+        copy_of: dict[ir.Value, ir.Value] = {}
+        self.copies = [_copy(node, copy_of, names) for node in self.nodes]
+        graph.insert_before(self.place, self.copies)
+        for reader, index, original in self.readers:
+            reader.replace_input_with(index, copy_of[original])
+
+    def undo(self, graph: ir.Graph) -> None:
+        for reader, index, original in self.readers:
+            reader.replace_input_with(index, original)
+        for node in reversed(self.copies):
+            for i in range(len(node.inputs)):
+                node.replace_input_with(i, None)
+        graph.remove(self.copies)
+        self.copies = []
+
+    def drop_unread_originals(self, graph: ir.Graph) -> None:
+        """Remove the originals nobody reads any more (consumers first)."""
+        for node in reversed(self.nodes):
+            if all(not out.uses() and not out.is_graph_output() for out in node.outputs):
+                for i in range(len(node.inputs)):
+                    node.replace_input_with(i, None)
+                graph.remove(node)
+
+
+def _predict_as_run(model: ir.Model, dims: Mapping[str, int]) -> StepMemory:
+    """The step memory of ``model`` as the installed onnxruntime will run it: on stock
+    onnxruntime, recomputed Dropouts read the forward masks (a copy is predicted)."""
+    return predict_step_memory(masks_read_where_redraws_differ(model), dims)
+
+
+def _peak_in(order: Sequence[ir.Node], step: StepMemory) -> int:
+    """The position in ``order`` (the graph's ORT order) of ``step``'s peak, which may be
+    a copy's: found by node name, a recomputed Dropout's mask product by the Dropout's."""
+    if not len(step.live):
+        return 0
+    name = step.peak_node.name or ""
+    name = name.split(MASK_PRODUCT_INFIX)[0]
+    position = next((i for i, node in enumerate(order) if node.name == name), None)
+    return position if position is not None else int(step.live.argmax())
+
+
+def _candidates(model: ir.Model, step: StepMemory, dims: Mapping[str, int]) -> list[_LateCopy]:
+    """A late copy for each buffer a recompute clone produced that is alive at the peak
+    and read after it (through any of its views)."""
+    order = ort_default_order(list(model.graph))
+    peak = _peak_in(order, step)
+    ort_position = {node: i for i, node in enumerate(order)}
+    graph_position = {node: i for i, node in enumerate(model.graph)}
+    buffers = memory.BufferMap()
+    last_read = _last_reads(order, ort_position, buffers)
+    views: dict[ir.Value, list[ir.Value]] = {}
+    for node in order:
+        for value in node.outputs:
+            views.setdefault(buffers.root(value), []).append(value)
+    found = []
+    for node in order[: peak + 1]:
+        for root in node.outputs:
+            if not _is_clone(node) or buffers.root(root) is not root or last_read.get(root, -1) <= peak:
+                continue
+            read_late = [v for v in views[root] if any(ort_position.get(u, -1) > peak for u, _ in v.uses())]
+            copy = _late_copy(root, read_late, peak, ort_position, graph_position, buffers, last_read)
+            if copy is not None:
+                found.append(copy)
+    # The largest first: the search keeps the first copy that lowers the peak.
+    found.sort(key=lambda c: -(memory.nbytes_at(c.value, dims) or 0))
+    return found
+
+
+def _late_copy(root, read_late, peak, ort_position, graph_position, buffers, last_read) -> _LateCopy | None:
+    """The copy of the recomputation of ``root``'s buffer (``read_late``: it and its views
+    that are read after ``peak``) for the readers after the peak, or None."""
+    late_users = [u for v in read_late for u, _ in v.uses() if ort_position.get(u, -1) > peak]
+    if not late_users:
+        return None
+    place = min(late_users, key=graph_position.__getitem__)
+    at = ort_position[place]
+    chain: set[ir.Node] = set()
+    stack = [v.producer() for v in read_late]
+    while stack:
+        node = stack.pop()
+        if node in chain:
+            continue
+        if not _copyable(node) or len(chain) >= MAX_CHAIN:
+            return None
+        chain.add(node)
+        for source in node.inputs:
+            producer = source.producer() if source is not None else None
+            if producer is None or producer.graph is None:
+                continue  # a graph input or an initializer: alive through the step
+            # The buffer being copied dies early once its late readers move: never "alive".
+            owner = buffers.root(source)
+            alive_there = owner is not root and last_read.get(owner, -1) >= at
+            if not alive_there and _is_clone(producer):
+                stack.append(producer)
+    nodes = sorted(chain, key=graph_position.__getitem__)
+    if graph_position[nodes[-1]] >= graph_position[place]:
+        return None
+    produced = {out for node in chain for out in node.outputs}
+    readers = [
+        (user, index, source)
+        for source in produced
+        for user, index in source.uses()
+        if user not in chain and ort_position.get(user, -1) > peak
+        and graph_position.get(user, -1) >= graph_position[place]
+    ]  # fmt: skip
+    return _LateCopy(root, nodes, place, readers)
+
+
+def _is_clone(node: ir.Node) -> bool:
+    return is_backward(node) and RECOMPUTE_OF_KEY in node.metadata_props
+
+
+def _copyable(node: ir.Node | None) -> bool:
+    """A recompute clone that can run a second time: no PythonOp (its ctx is one
+    Function call's), no subgraph."""
+    return (node is not None and _is_clone(node) and node.op_type != "PythonOp"
+            and not any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in node.attributes.values()))
+
+
+def _last_reads(order: Sequence[ir.Node], position: Mapping[ir.Node, int], buffers: memory.BufferMap) -> dict[ir.Value, int]:
+    """The ORT position of the last reader of each buffer (graph outputs: the end)."""
+    end = len(order) - 1
+    last: dict[ir.Value, int] = {}
+    for node in order:
+        for value in node.outputs:
+            readers = [position[u] for u, _ in value.uses() if u in position]
+            read = end if value.is_graph_output() or not readers else max(readers)
+            root = buffers.root(value)
+            last[root] = max(last.get(root, read), read)
+    return last
+
+
+def _copy(node: ir.Node, copy_of: dict[ir.Value, ir.Value], names: NameAllocator) -> ir.Node:
+    outputs = [
+        ir.Value(name=names.fresh(f"{out.name}{LATE_SUFFIX}"), type=out.type,
+                 shape=out.shape.copy() if out.shape is not None else None)
+        if out.name else ir.Value()
+        for out in node.outputs
+    ]  # fmt: skip
+    copy = ir.Node(
+        node.domain,
+        node.op_type,
+        [copy_of.get(v, v) if v is not None else None for v in node.inputs],
+        attributes=[ir.Attr(a.name, a.type, a.value) for a in node.attributes.values()],
+        overload=node.overload,
+        outputs=outputs,
+        version=node.version,
+        name=names.fresh(f"{node.name or node.op_type}{LATE_SUFFIX}"),
+        metadata_props={**node.metadata_props, CREATED_BY_KEY: "recompute-again-late"},
+    )
+    copy_of.update(zip(node.outputs, outputs))
+    return copy

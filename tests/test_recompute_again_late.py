@@ -1,0 +1,95 @@
+"""RecomputeAgainLatePass: a recomputed value read early and late is computed again for its
+late readers, where holding it sets the step's peak.
+
+Built by torch's autograd (the torch builder), so CI runs this file on the training build
+and on stock onnxruntime; the predictions are the graph as the installed runtime runs it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+import torch
+
+import ortpass
+from ortpass.analysis.partition import is_backward
+from ortpass.analysis.step_memory import predict_step_memory
+from ortpass.conventions import CREATED_BY_KEY, RECOMPUTE_OF_KEY
+from ortpass.runtime import TrainingSession
+from ortpass.runtime.parity import check_parity
+from ortpass.testing.models import GPTDecoder
+from ortpass.training.from_torch import build_training_graph_from_torch
+from ortpass.training.split import masks_read_where_redraws_differ
+
+pytestmark = pytest.mark.stock
+
+# Tiny tensors: recompute's size floor off, so the layers are recomputed as at real sizes.
+RECOMPUTE = "fix-dropout-seed(level=1,min_elements=0),recompute(level=1,min_elements=0)"
+AGAIN = RECOMPUTE + ",recompute-again-late"
+
+
+def _decoder_graph(*, vocab: int = 32, dropout: float = 0.1) -> tuple[GPTDecoder, tuple, ir.Model]:
+    torch.manual_seed(0)
+    module = GPTDecoder(vocab=vocab, hidden=16, heads=2, layers=2, max_seq=16, dropout=dropout)
+    ids = torch.randint(0, vocab, (4, 16))
+    args = (ids, ids.roll(-1, 1))
+    model = build_training_graph_from_torch(module, args, input_names=["input_ids", "labels"])
+    for seed, node in enumerate(n for n in model.graph if n.op_type == "Dropout"):
+        node.attributes["seed"] = ir.AttrInt64("seed", seed)  # both pipelines draw alike
+    return module, args, model
+
+
+def _peak(model: ir.Model) -> int:
+    return predict_step_memory(masks_read_where_redraws_differ(model)).peak_bytes
+
+
+def test_the_attention_probabilities_are_computed_again_for_their_gradient_and_the_peak_falls():
+    module, args, model = _decoder_graph()
+    without = ortpass.pipeline(RECOMPUTE, assume=["training-graph"])(model.clone()).model
+    result = ortpass.pipeline(AGAIN, assume=["training-graph"])(model)
+    counts = result.report["recompute-again-late"].stats["counts"]
+    assert counts["values recomputed again"] >= 2  # one softmax per layer at least
+    copies = [n for n in result.model.graph if n.metadata_props.get(CREATED_BY_KEY) == "recompute-again-late"]
+    assert len(copies) == counts["nodes copied"]
+    assert sum(n.op_type == "Softmax" for n in copies) >= 2  # each layer's probabilities
+    assert all(is_backward(n) and RECOMPUTE_OF_KEY in n.metadata_props for n in copies)
+    # Recompute's clone of each copied softmax now feeds only the recomputation (of the
+    # attention's output, which the MLP's needs): the attention's gradient reads the copy.
+    for copy in (n for n in copies if n.op_type == "Softmax"):
+        clone = next(n for n in result.model.graph if n.metadata_props.get(CREATED_BY_KEY) == "recompute"
+                     and n.metadata_props[RECOMPUTE_OF_KEY] == copy.metadata_props[RECOMPUTE_OF_KEY])
+        assert all(RECOMPUTE_OF_KEY in u.metadata_props for u, _ in clone.outputs[0].uses())
+    # The prediction the pass made is the graph's, and lower than without the copies.
+    assert counts["predicted peak bytes"] == _peak(result.model) < _peak(without)
+    # Copies run the same nodes on the same inputs: the step is the one without them, bit for bit.
+    feeds = {"input_ids": args[0].numpy(), "labels": args[1].numpy()}
+    plain = TrainingSession(without, threads=1).run(feeds)
+    again = TrainingSession(result.model, threads=1).run(feeds)
+    assert again.loss == plain.loss
+    for name, grad in plain.gradients.items():
+        np.testing.assert_array_equal(again.gradients[name], grad, err_msg=name)
+
+
+def test_without_dropout_the_step_matches_torch():
+    module, args, model = _decoder_graph(dropout=0.0)
+    result = ortpass.pipeline(AGAIN, assume=["training-graph"])(model)
+    assert result.report["recompute-again-late"].stats["counts"]["values recomputed again"] >= 2
+    check_parity(module, args, result.model, input_names=["input_ids", "labels"]).assert_ok()
+
+
+def test_nothing_is_copied_without_recompute_clones():
+    _, _, model = _decoder_graph()
+    result = ortpass.pipeline("recompute-again-late", assume=["training-graph"])(model)
+    assert not result.report["recompute-again-late"].modified
+
+
+def test_nothing_is_copied_where_no_copy_lowers_the_peak():
+    """With a vocabulary of 4096 the step peaks at the loss's gradient, where no recomputed
+    value is alive: a copy would only cost time."""
+    _, _, model = _decoder_graph(vocab=4096)
+    recomputed = ortpass.pipeline(RECOMPUTE, assume=["training-graph"])(model).model
+    before = ir.to_proto(recomputed).SerializeToString()
+    result = ortpass.pipeline("recompute-again-late", assume=["training-graph"])(recomputed)
+    assert not result.report["recompute-again-late"].modified
+    assert ir.to_proto(result.model).SerializeToString() == before
