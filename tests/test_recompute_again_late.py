@@ -93,3 +93,15 @@ def test_nothing_is_copied_where_no_copy_lowers_the_peak():
     result = ortpass.pipeline("recompute-again-late", assume=["training-graph"])(recomputed)
     assert not result.report["recompute-again-late"].modified
     assert ir.to_proto(result.model).SerializeToString() == before
+
+
+def test_a_budget_is_planned_on_the_graph_as_the_installed_runtime_runs_it():
+    """On stock onnxruntime a session makes recomputed Dropouts read the forward masks
+    (``masks_read_where_redraws_differ``); the budget planner and this pass judge that
+    graph, so the planned peak is the one of the graph that runs, on either runtime."""
+    _, _, model = _decoder_graph()
+    pipeline = ("fix-dropout-seed(budget=0.0,min_elements=0),recompute(budget=0.0,min_elements=0),"
+                "replay-dropout-mask,recompute-again-late")
+    result = ortpass.pipeline(pipeline, assume=["training-graph"])(model)
+    planned = result.report["recompute"].stats["counts"]["predicted peak bytes"]
+    assert planned == _peak(result.model)

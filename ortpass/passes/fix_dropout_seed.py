@@ -24,6 +24,7 @@ from ortpass.infra.base import OrtPass
 from ortpass.infra.options import NonNegativeInt, ProbeLevelOption, RecomputeLevel
 from ortpass.infra.registry import register_pass
 from ortpass.ops.dropout import dropout_seed, is_dropout
+from ortpass.training.split import finished_as_run
 
 __all__ = ["FixDropoutSeedPass", "dropout_seed"]
 
@@ -79,7 +80,7 @@ class FixDropoutSeedPass(OrtPass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         if self.selection.empty:
             return ir.passes.PassResult(model, modified=False)
-        _, _, occurrences = self.selection.select(model, self.analysis_cache, self.step_memory_finish())
+        _, _, occurrences = self.selection.select(model, self.analysis_cache, finished_as_run(self.step_memory_finish()))
         dropouts = {id(n): n for occ in occurrences for n in occ.nodes if is_dropout(n)}
         modified = False
         for node in dropouts.values():

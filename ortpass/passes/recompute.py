@@ -35,6 +35,7 @@ from ortpass.infra.options import NonNegativeInt, ProbeLevelOption, RecomputeLev
 from ortpass.infra.registry import register_pass
 from ortpass.ops.dropout import is_dropout
 from ortpass.pythonop import rng_replay
+from ortpass.training.split import finished_as_run
 
 __all__ = ["RECOMPUTE_SUFFIX", "RecomputePass"]
 
@@ -104,7 +105,7 @@ class RecomputePass(OrtPass):
             return ir.passes.PassResult(model, modified=False)
         cache = self.analysis_cache
         hits = cache.hits if cache is not None else 0
-        report, specs, occurrences = self.selection.select(model, cache, self.step_memory_finish())
+        report, specs, occurrences = self.selection.select(model, cache, finished_as_run(self.step_memory_finish()))
         if cache is not None and cache.hits > hits:
             self.count("analysis reused")
         nodes = nodes_to_clone(occurrences, report.positions)

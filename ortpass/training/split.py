@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Callable
 
 import numpy as np
 import onnx
@@ -44,7 +45,7 @@ from ortpass.conventions import MS_DOMAIN, SIDE_KEY, is_onnx_domain
 from ortpass.errors import TrainingGraphError
 from ortpass.ops.dropout import is_dropout
 
-__all__ = ["MASK_PRODUCT_INFIX", "SplitGraphs", "declare_types", "masks_read_where_redraws_differ", "read_forward_masks", "split_training_graph"]
+__all__ = ["MASK_PRODUCT_INFIX", "SplitGraphs", "declare_types", "finished_as_run", "masks_read_where_redraws_differ", "read_forward_masks", "split_training_graph"]
 
 logger = logging.getLogger(__name__)
 
@@ -206,6 +207,22 @@ def masks_read_where_redraws_differ(model: ir.Model) -> ir.Model:
     model = model.clone()
     read_forward_masks(model, standard_ops=True)
     return model
+
+
+def finished_as_run(finish: Callable[[ir.Model], ir.Model] | None) -> Callable[[ir.Model], ir.Model] | None:
+    """``finish`` (what a memory planner runs on each graph it tries: the passes after it
+    that shape the step's memory), then what a session makes of the result on the
+    installed onnxruntime (:func:`masks_read_where_redraws_differ`), so that a plan is
+    judged on the graph that runs.  On the training build, ``finish`` itself."""
+    from ortpass.training.backend import has_training_ops
+
+    if has_training_ops():
+        return finish
+
+    def as_run(model: ir.Model) -> ir.Model:
+        return masks_read_where_redraws_differ(finish(model) if finish is not None else model)
+
+    return as_run
 
 
 def _is_onnx_dropout(node: ir.Node) -> bool:
