@@ -5,6 +5,7 @@ each rule, and parity with torch and with the one-graph step."""
 from __future__ import annotations
 
 import numpy as np
+import onnx_ir as ir
 import pytest
 import torch
 from torch import nn
@@ -17,6 +18,7 @@ from ortpass.passes import DEFAULT_PIPELINE
 from ortpass.runtime import SplitTrainingSession, TrainingSession
 from ortpass.testing.models import GPTDecoder
 from ortpass.training import build_training_graph
+from ortpass.analysis.step_memory import predict_step_memory
 from ortpass.training.split import read_forward_masks, split_training_graph
 
 
@@ -94,6 +96,22 @@ def test_backward_dropouts_seeded_like_forward_ones_read_the_forward_mask():
     assert sum(n.op_type == "DropoutGrad" for n in clone.graph) >= rewritten
     unseeded, _ = _decoder_graph(0.1, "build-training-graph")  # no recompute, no replay: nothing to pair
     assert read_forward_masks(unseeded.clone()) == 0
+
+
+def test_in_standard_ops_the_mask_product_is_typed_and_shaped_so_its_memory_is_predicted():
+    """Stock onnxruntime's form, ``x * (1 / (1 - ratio)) * CastLike(mask, x)``: the cast mask
+    and the scaled input are as large as ``x``, and a step prediction that could not size
+    them left them out (GPT-2: 32 MiB each per layer)."""
+    model, _ = _decoder_graph(0.1)
+    read_forward_masks(model, standard_ops=True)
+    products = [n for n in model.graph if "_kept_mask" in (n.name or "")]
+    assert products and not any(n.op_type == "DropoutGrad" for n in model.graph)
+    for node in products:
+        for value in node.outputs:
+            assert value.dtype == ir.DataType.FLOAT and value.shape is not None, node.name
+    cast = next(n for n in products if n.op_type == "CastLike" and n.inputs[0].dtype == ir.DataType.BOOL)
+    assert cast.outputs[0].shape == cast.inputs[0].shape
+    assert predict_step_memory(model).unknown == []
 
 
 def test_the_split_graphs_stash_what_backward_reads_and_nothing_else():

@@ -295,4 +295,11 @@ def _masked_product(x: ir.Value, mask: ir.Value, ratio: ir.Value | None, stem: s
     scaled = ir.node("Mul", [x, scale.outputs[0]], name=f"{stem}_scaled")
     weights = ir.node("CastLike", [mask, x], name=f"{stem}_cast")
     product = ir.node("Mul", [scaled.outputs[0], weights.outputs[0]], name=stem)
+    # Typed and shaped: the step-memory prediction counts what it can size, and the mask's
+    # cast and the scaled input are each as large as the input (32 MiB a layer for GPT-2's
+    # attention dropout at batch 8 x 512), which it missed.
+    scalar = ir.Shape([])  # Dropout's ratio is a scalar
+    for value, shape in ((one.outputs[0], scalar), (ratio, scalar), (keep.outputs[0], scalar), (scale.outputs[0], scalar),
+                         (scaled.outputs[0], x.shape), (weights.outputs[0], mask.shape)):
+        value.type, value.shape = ir.TensorType(dtype), shape.copy() if shape is not None else None
     return [*nodes, keep, scale, scaled, weights, product]
