@@ -29,6 +29,13 @@ Sizes come from the export's dims.  Runs after ``recompute`` and ``replay-dropou
 and before the ordering passes, whose order the prediction then does not include; the
 memory-budget planner runs it on each graph it tries (``shapes_step_memory``).
 Statistics: ``values recomputed again``, ``nodes copied``, ``predicted peak bytes``.
+
+Measured (``benchmarks/hf_memory.py``, 4 layers, hidden 256, batch 8 x 512, step peak):
+the torch builder on stock onnxruntime, GPT-2 257 -> 227 MiB and LLaMA 220 -> 176; ORT's
+builder, GPT-2 216 -> 204 and LLaMA without fused attention 249 -> 237.  The copies cost
+time: GPT-2's on stock run each layer's LayerNorm and QKV projection again (its query and
+key are not alive there), 1.38 -> 1.67 s a step measured back to back (torch with
+checkpointing: 1.79).
 """
 
 from __future__ import annotations
