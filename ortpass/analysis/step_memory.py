@@ -43,6 +43,10 @@ __all__ = ["KERNEL_SCRATCH", "StepMemory", "kernel_scratch", "predict_step_memor
 
 logger = logging.getLogger(__name__)
 
+#: A value larger than this (4 EiB: data-dependent dims at bounds no step reaches, such as
+#: four of them at a vocabulary's size) is counted as of unknown size, not as bytes.
+MAX_BYTES = 2**62
+
 
 @dataclasses.dataclass
 class StepMemory:
@@ -107,7 +111,7 @@ def predict_step_memory(
             held = memory.symbolic_nbytes(value) if _inference_mode_ctx(value) else sizes.nbytes(value)
             held = _plus_outputs_the_ctx_keeps(value, held)
             nbytes = memory.evaluate(held, dims)
-            if nbytes is None:
+            if nbytes is None or nbytes > MAX_BYTES:
                 unknown.append(value.name)
                 continue
             delta[i] += nbytes

@@ -10,24 +10,27 @@ the attention's own gradient reads them: GPT-2's and LLaMA's step peaked there, 
 last layer's MLP backward, 64 and 32 MiB above what the MLP alone needs
 (``benchmarks/hf_memory.py``, batch 8 x 512).
 
-Rule: at the predicted step peak (:func:`~ortpass.analysis.step_memory.predict_step_memory`,
-in ORT's execution order), take each value alive there that a recompute clone produced
-and that is read after the peak.  Its *late readers* are those after the peak; the nodes
-to run again are its producer and, through their inputs, every recompute clone whose
-value would not be alive any more before the first late reader (at most
+Rule: at the predicted step peak (:func:`~ortpass.analysis.step_memory.predict_step_memory`
+of the graph as the installed onnxruntime runs it, in ORT's execution order; on stock
+onnxruntime recomputed Dropouts read the forward masks), take each buffer a recompute
+clone produced that is alive there and read after the peak, through any of its views.
+Its *late readers* are those after the peak; the nodes to run again are the producers of
+the buffer and of its views read late, and, through their inputs, every recompute clone
+whose value would not be alive any more before the first late reader (at most
 :data:`MAX_CHAIN` nodes; no PythonOp, no node with a subgraph).  Those nodes are copied,
 in order, right before the first late reader in graph order, and every reader after the
-peak of a value they produce reads the copy's value instead.  Of the values at the peak,
-the copy that lowers the predicted peak the most is kept, and the search starts again at
-the new peak, until no copy lowers it.  A clone with no reader left before the peak is
-then unread and removed.  Each copy costs the time of its nodes, once a step; a copy that
-does not lower the peak is never made.
+peak of a value they produce reads the copy's value instead.  The buffers are tried
+largest first, and the first copy that lowers the predicted peak is kept; the search
+starts again at the new peak, until no copy lowers it.  A clone with no reader left is
+then removed.  Each copy costs the time of its nodes, once a step; a copy that does not
+lower the peak is never made.
 
 Copies are exact: they run the same nodes on the same inputs (a recomputed Dropout keeps
 its fixed seed, or reads the forward mask where ``replay-dropout-mask`` made it so).
-Sizes come from the export's dims.  Runs after ``recompute`` and ``replay-dropout-mask``,
-and before the ordering passes, whose order the prediction then does not include; the
-memory-budget planner runs it on each graph it tries (``shapes_step_memory``).
+Sizes come from the export's dims; where some size is unknown there, or a data-dependent
+dim has to be taken at a bound, the pass changes nothing.  Runs last: after ``recompute``,
+``replay-dropout-mask`` and the ordering passes, whose order the prediction then includes.
+The memory-budget planner runs it on each graph it tries (``shapes_step_memory``).
 Statistics: ``values recomputed again``, ``nodes copied``, ``predicted peak bytes``.
 
 Measured (``benchmarks/hf_memory.py``, 4 layers, hidden 256, batch 8 x 512, step peak):
@@ -81,6 +84,11 @@ class RecomputeAgainLatePass(OrtPass):
             return ir.passes.PassResult(model, modified=False)
         dims = get_export_info(model).get("dims") or {}
         step = _predict_as_run(model, dims)
+        if not step.exact or step.bounded:
+            # A copy is judged by the peak it predicts: not on sizes guessed or left out.
+            logger.info("recompute-again-late: skipped, sizes unknown at the export's dims (%s)",
+                        (step.unknown or step.bounded)[0])
+            return ir.passes.PassResult(model, modified=False)
         names = NameAllocator.of_graph(model.graph)
         modified = False
         while True:
