@@ -30,6 +30,7 @@ __all__ = [
     "REPLAY_OF_KEY",
     "SHAPES",
     "SIDE_KEY",
+    "STEP_MEMORY_TARGET_KEY",
     "TRAINING_GRAPH",
     "TRAINING_KEY",
     "is_onnx_domain",
@@ -51,6 +52,9 @@ BUILDER_KEY = "pkg.ortpass.builder"
 RECOMPUTE_OF_KEY = "pkg.ortpass.recompute_of"
 #: Node: the forward Dropout whose mask a replayed Dropout reproduces.
 REPLAY_OF_KEY = "pkg.ortpass.replay_of"
+#: Model: the step peak, in bytes, a memory budget's plan aims at (written by ``recompute``
+#: with a budget): the passes that lower the peak further stop once it is met.
+STEP_MEMORY_TARGET_KEY = "pkg.ortpass.step_memory_target"
 #: Model: the padding row of each embedding ``Gather`` (JSON: output name -> row), written
 #: by ``ortpass.export``; the gradient build keeps that row's lookup gradient out.
 PADDING_IDX_KEY = "pkg.ortpass.padding_idx"

@@ -15,7 +15,7 @@ import torch
 import ortpass
 from ortpass.analysis.partition import is_backward
 from ortpass.analysis.step_memory import predict_step_memory
-from ortpass.conventions import CREATED_BY_KEY, RECOMPUTE_OF_KEY
+from ortpass.conventions import CREATED_BY_KEY, RECOMPUTE_OF_KEY, STEP_MEMORY_TARGET_KEY
 from ortpass.runtime import TrainingSession
 from ortpass.runtime.parity import check_parity
 from ortpass.testing.models import GPTDecoder
@@ -105,3 +105,28 @@ def test_a_budget_is_planned_on_the_graph_as_the_installed_runtime_runs_it():
     result = ortpass.pipeline(pipeline, assume=["training-graph"])(model)
     planned = result.report["recompute"].stats["counts"]["predicted peak bytes"]
     assert planned == _peak(result.model)
+
+
+def test_under_a_budget_the_copies_stop_once_the_peak_meets_it():
+    """``recompute(budget=)`` records its target; the copies stop there, and the planned
+    peak is the one the pipeline ends with.  Taking the target away, the pass lowers the
+    peak further on some budget: it had stopped early, saving the copies' time."""
+    _, _, model = _decoder_graph()
+    pipeline = ("fix-dropout-seed(budget={0},min_elements=0),recompute(budget={0},min_elements=0),"
+                "replay-dropout-mask,recompute-again-late")
+    lowest = ortpass.pipeline(pipeline.format(0.0), assume=["training-graph"])(model.clone()).report["recompute"]
+    floor = lowest.stats["counts"]["predicted peak bytes"]
+    stopped_early = False
+    for budget in (0.0, *(int(floor * (1 + k / 100)) for k in range(1, 11)), 0.5):
+        result = ortpass.pipeline(pipeline.format(budget), assume=["training-graph"])(model.clone())
+        counts = result.report["recompute"].stats["counts"]
+        final = _peak(result.model)
+        assert final == counts["predicted peak bytes"] <= counts["budget target bytes"]
+        recomputed = result.report["recompute"].modified
+        recorded = result.model.metadata_props.get(STEP_MEMORY_TARGET_KEY)
+        assert recorded == (str(counts["budget target bytes"]) if recomputed else None)
+        unbounded = result.model.clone()
+        unbounded.metadata_props.pop(STEP_MEMORY_TARGET_KEY, None)
+        further = ortpass.pipeline("recompute-again-late", assume=["training-graph"])(unbounded)
+        stopped_early |= _peak(further.model) < final
+    assert stopped_early

@@ -29,7 +29,7 @@ from ortpass.analysis.recompute import (
 )
 from ortpass.analysis.recompute.rewrite import RECOMPUTE_SUFFIX, apply_occurrences, nodes_to_clone
 from ortpass.analysis.recompute.selection import AppliedPlan, RecomputeSelection
-from ortpass.conventions import DROPOUT_SEEDS_FIXED, RECOMPUTED
+from ortpass.conventions import DROPOUT_SEEDS_FIXED, RECOMPUTED, STEP_MEMORY_TARGET_KEY
 from ortpass.infra.base import OrtPass
 from ortpass.infra.options import NonNegativeInt, ProbeLevelOption, RecomputeLevel
 from ortpass.infra.registry import register_pass
@@ -125,6 +125,8 @@ class RecomputePass(OrtPass):
         self._record(specs, occurrences, report, len(clones))
         if self.selection.budget_plan is not None:
             self._record_budget()
+            # The passes after this one that lower the peak further stop at the target.
+            model.metadata_props[STEP_MEMORY_TARGET_KEY] = str(self.selection.budget_plan.target_bytes)
         return ir.passes.PassResult(model, modified=True)
 
     def _record_budget(self) -> None:

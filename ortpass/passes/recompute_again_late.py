@@ -21,7 +21,9 @@ whose value would not be alive any more before the first late reader (at most
 in order, right before the first late reader in graph order, and every reader after the
 peak of a value they produce reads the copy's value instead.  The buffers are tried
 largest first, and the first copy that lowers the predicted peak is kept; the search
-starts again at the new peak, until no copy lowers it.  A clone with no reader left is
+starts again at the new peak, until no copy lowers it or the peak meets the target a
+memory budget recorded (``STEP_MEMORY_TARGET_KEY``, written by ``recompute(budget=)``:
+copies past it would cost time for memory nobody asked for).  A clone with no reader left is
 then removed.  Each copy costs the time of its nodes, once a step; a copy that does not
 lower the peak is never made.
 
@@ -53,7 +55,7 @@ from ortpass.analysis import memory
 from ortpass.analysis.partition import is_backward, is_training_graph
 from ortpass.analysis.ort_order import ort_default_order
 from ortpass.analysis.step_memory import StepMemory, predict_step_memory
-from ortpass.conventions import CREATED_BY_KEY, RECOMPUTE_OF_KEY
+from ortpass.conventions import CREATED_BY_KEY, RECOMPUTE_OF_KEY, STEP_MEMORY_TARGET_KEY
 from ortpass.graph.names import NameAllocator
 from ortpass.infra.base import OrtPass
 from ortpass.infra.metadata import get_export_info
@@ -90,8 +92,9 @@ class RecomputeAgainLatePass(OrtPass):
                         (step.unknown or step.bounded)[0])
             return ir.passes.PassResult(model, modified=False)
         names = NameAllocator.of_graph(model.graph)
+        target = _target(model)
         modified = False
-        while True:
+        while step.peak_bytes > target:
             accepted = None
             for copy in _candidates(model, step, dims):
                 copy.apply(model.graph, NameAllocator(names.taken))  # names taken for good below
@@ -149,6 +152,13 @@ class _LateCopy:
                 for i in range(len(node.inputs)):
                     node.replace_input_with(i, None)
                 graph.remove(node)
+
+
+def _target(model: ir.Model) -> int:
+    """The step peak a memory budget aims at (``recompute(budget=)`` records it), else 0:
+    as low as copies take it."""
+    text = model.metadata_props.get(STEP_MEMORY_TARGET_KEY)
+    return int(text) if text else 0
 
 
 def _predict_as_run(model: ir.Model, dims: Mapping[str, int]) -> StepMemory:

@@ -148,6 +148,11 @@ def plan_for_budget(
             f"in this graph, {floor / _MIB:.1f} MiB ({without / _MIB:.1f} MiB without recompute), at dims {report.dims}"
         )
     count, predicted = search.shortest_fitting(target, best)
+    if finish is not None and count:
+        # The passes after recompute that lower the peak stop once the target is met
+        # (STEP_MEMORY_TARGET_KEY); a prefix fits with them stopping as it fits with them
+        # going on, but its peak is then the stopped one.
+        predicted = search.evaluate(count, target)
     logger.info("memory budget %s: %d of %d candidates, predicted peak %d bytes", budget, count, len(ranked), predicted)
     order = sorted(range(count), key=lambda i: ranked[i].position)
     return BudgetPlan(
@@ -174,8 +179,8 @@ def _search(
     """The ranked occurrences, their seconds, and the search over the ranking's prefixes."""
     ranked, seconds, group_ends, dims = _rank(model, report, cost_model)
 
-    def peak(count: int) -> int:
-        return rewritten_peak(model, ranked[:count], report.positions, dims, finish)
+    def peak(count: int, target: int | None = None) -> int:
+        return rewritten_peak(model, ranked[:count], report.positions, dims, finish, target)
 
     return ranked, seconds, _PrefixSearch(peak, len(ranked), group_ends)
 

@@ -23,7 +23,7 @@ from ortpass.analysis.partition import is_backward
 from ortpass.analysis.recomputable_ops import OptionalOutputs
 from ortpass.analysis.recompute.result import Occurrence
 from ortpass.analysis.step_memory import predict_step_memory
-from ortpass.conventions import CREATED_BY_KEY, RECOMPUTE_OF_KEY, SIDE_KEY
+from ortpass.conventions import CREATED_BY_KEY, RECOMPUTE_OF_KEY, SIDE_KEY, STEP_MEMORY_TARGET_KEY
 from ortpass.pythonop import rng_replay
 
 __all__ = ["RECOMPUTE_SUFFIX", "Finish", "apply_occurrences", "nodes_to_clone", "rewritten_peak"]
@@ -57,12 +57,17 @@ def rewritten_peak(
     positions: Mapping[ir.Node, int],
     dims: Mapping[str, int] | None,
     finish: Finish | None = None,
+    target: int | None = None,
 ) -> int:
     """The predicted step peak of ``model`` with ``occurrences`` recomputed, from the
-    rewrite made on a copy, then ``finish`` (``model`` is not changed)."""
+    rewrite made on a copy, then ``finish`` (``model`` is not changed).  ``target``: the
+    peak a budget aims at, recorded on the copy for ``finish``'s passes
+    (``STEP_MEMORY_TARGET_KEY``)."""
     if not occurrences and finish is None:
         return predict_step_memory(model, dims).peak_bytes
     copy = model.clone()
+    if target is not None:
+        copy.metadata_props[STEP_MEMORY_TARGET_KEY] = str(target)
     if occurrences:
         counterpart = dict(zip(model.graph, copy.graph))
         copy_positions = {counterpart[n]: p for n, p in positions.items() if n in counterpart}
