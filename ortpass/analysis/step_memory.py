@@ -39,7 +39,7 @@ from ortpass.analysis.partition import get_partition, is_training_graph
 from ortpass.analysis.recompute.cost import ValueSizes
 from ortpass.conventions import MS_DOMAIN, is_onnx_domain
 
-__all__ = ["KERNEL_SCRATCH", "StepMemory", "kernel_scratch", "predict_step_memory"]
+__all__ = ["KERNEL_SCRATCH", "StepMemory", "kernel_scratch", "last_reads", "predict_step_memory"]
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ def predict_step_memory(
     sizes = ValueSizes(buffers, _buffers_backward_reads(model, nodes, buffers), min_elements=0)
     position = {node: i for i, node in enumerate(nodes)}
     end = len(nodes) - 1
-    last_read = _last_reads(nodes, position, buffers, end)
+    last_read = last_reads(nodes, position, buffers, end)
     delta = np.zeros(len(nodes) + 1, dtype=np.int64)
     unknown: list[str] = []
     folded = _folded_by_ort(nodes)
@@ -121,7 +121,7 @@ def predict_step_memory(
     return StepMemory(np.cumsum(delta)[:-1], nodes, unknown, sorted(bounded), dict(dims or {}))
 
 
-def _last_reads(nodes: Sequence[ir.Node], position: Mapping[ir.Node, int], buffers: memory.BufferMap, end: int) -> dict[ir.Value, int]:
+def last_reads(nodes: Sequence[ir.Node], position: Mapping[ir.Node, int], buffers: memory.BufferMap, end: int) -> dict[ir.Value, int]:
     """The position after which each buffer is freed: the last read of it or of any view
     of it; ``end`` where it or a view is a graph output or is read by nobody."""
     last: dict[ir.Value, int] = {}

@@ -54,7 +54,7 @@ import onnx_ir as ir
 from ortpass.analysis import memory
 from ortpass.analysis.partition import is_backward, is_training_graph
 from ortpass.analysis.ort_order import ort_default_order
-from ortpass.analysis.step_memory import StepMemory, predict_step_memory
+from ortpass.analysis.step_memory import StepMemory, last_reads, predict_step_memory
 from ortpass.conventions import CREATED_BY_KEY, RECOMPUTE_OF_KEY, STEP_MEMORY_TARGET_KEY
 from ortpass.graph.names import NameAllocator
 from ortpass.infra.base import OrtPass
@@ -186,7 +186,7 @@ def _candidates(model: ir.Model, step: StepMemory, dims: Mapping[str, int]) -> l
     ort_position = {node: i for i, node in enumerate(order)}
     graph_position = {node: i for i, node in enumerate(model.graph)}
     buffers = memory.BufferMap()
-    last_read = _last_reads(order, ort_position, buffers)
+    last_read = last_reads(order, ort_position, buffers, len(order) - 1)
     views: dict[ir.Value, list[ir.Value]] = {}
     for node in order:
         for value in node.outputs:
@@ -254,19 +254,6 @@ def _copyable(node: ir.Node | None) -> bool:
     Function call's), no subgraph."""
     return (node is not None and _is_clone(node) and node.op_type != "PythonOp"
             and not any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in node.attributes.values()))
-
-
-def _last_reads(order: Sequence[ir.Node], position: Mapping[ir.Node, int], buffers: memory.BufferMap) -> dict[ir.Value, int]:
-    """The ORT position of the last reader of each buffer (graph outputs: the end)."""
-    end = len(order) - 1
-    last: dict[ir.Value, int] = {}
-    for node in order:
-        for value in node.outputs:
-            readers = [position[u] for u, _ in value.uses() if u in position]
-            read = end if value.is_graph_output() or not readers else max(readers)
-            root = buffers.root(value)
-            last[root] = max(last.get(root, read), read)
-    return last
 
 
 def _copy(node: ir.Node, copy_of: dict[ir.Value, ir.Value], names: NameAllocator) -> ir.Node:
