@@ -12,7 +12,7 @@ from ortpass.export import export
 from ortpass.passes import ScatterEmbeddingGradientPass
 from ortpass.runtime import TrainingSession
 from ortpass.runtime.parity import check_parity
-from ortpass.training import build_training_graph
+from ortpass.training import build_training_graph, build_training_graph_from_torch
 
 VOCAB, HIDDEN, BATCH, SEQ = 12, 8, 2, 16  # 32 ids over 12 rows: rows repeat
 
@@ -75,3 +75,39 @@ def test_does_not_fire(module, opset):
     result = pass_(_training(module, opset))
     assert not result.modified
     assert any(n.op_type == "GatherGrad" for n in result.model.graph)
+
+
+def _from_torch(module: torch.nn.Module) -> ir.Model:
+    return build_training_graph_from_torch(module, _args(), input_names=["ids", "labels"])
+
+
+@pytest.mark.stock
+@pytest.mark.parametrize("twice", [False, True], ids=["tied", "three-parts"])
+def test_torchs_scatter_into_zeros_becomes_a_scatter_into_the_part(twice):
+    """torch's builder: ``Add(part, ScatterND(zeros, ids, dY))`` -> ``ScatterND(part, ids, dY)``;
+    with a second embedding of the same table the two scatters chain."""
+    torch.manual_seed(0)
+    module = TiedLM(twice=twice)
+    plain = _from_torch(module)
+    pass_ = ScatterEmbeddingGradientPass()
+    model = pass_(_from_torch(module)).model
+    assert pass_.stats["counts"]["embedding gradients scattered"] == (2 if twice else 1)
+    scatters = [n for n in model.graph if n.op_type == "ScatterND"]
+    assert len(scatters) == (2 if twice else 1)
+    assert scatters[0].inputs[0].producer().op_type == "MatMul"  # the head's part, no zeros
+    assert scatters[-1].outputs[0].name == "emb.weight_grad" and scatters[-1].outputs[0].is_graph_output()
+    assert not any(n.op_type == "Add" and n.outputs[0].is_graph_output() for n in model.graph)
+    zeros = {n.inputs[0].name for n in plain.graph if n.op_type == "ScatterND"}
+    assert zeros and not zeros & set(model.graph.initializers)  # torch folded them to initializers: dropped
+    batch = dict(zip(["ids", "labels"], (a.numpy() for a in _args())))
+    a, b = TrainingSession(plain).run(batch), TrainingSession(model).run(batch)
+    for name, gradient in a.gradients.items():
+        np.testing.assert_allclose(b.gradients[name], gradient, rtol=1e-6, atol=1e-7, err_msg=name)
+    check_parity(module, _args(), model, input_names=["ids", "labels"]).assert_ok()
+
+
+@pytest.mark.stock
+def test_torch_untied_graph_does_not_fire():
+    torch.manual_seed(0)
+    result = ScatterEmbeddingGradientPass()(_from_torch(TiedLM(tied=False)))
+    assert not result.modified

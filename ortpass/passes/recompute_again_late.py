@@ -60,7 +60,7 @@ from ortpass.graph.names import NameAllocator
 from ortpass.infra.base import OrtPass
 from ortpass.infra.metadata import get_export_info
 from ortpass.infra.registry import register_pass
-from ortpass.training.split import MASK_PRODUCT_INFIX, masks_read_where_redraws_differ
+from ortpass.training.split import MASK_PRODUCT_INFIX, as_run
 
 __all__ = ["MAX_CHAIN", "RecomputeAgainLatePass"]
 
@@ -164,7 +164,7 @@ def _target(model: ir.Model) -> int:
 def _predict_as_run(model: ir.Model, dims: Mapping[str, int]) -> StepMemory:
     """The step memory of ``model`` as the installed onnxruntime will run it: on stock
     onnxruntime, recomputed Dropouts read the forward masks (a copy is predicted)."""
-    return predict_step_memory(masks_read_where_redraws_differ(model), dims)
+    return predict_step_memory(as_run(model), dims)
 
 
 def _peak_in(order: Sequence[ir.Node], step: StepMemory) -> int:

@@ -14,7 +14,18 @@ Rule: a backward ``Sum`` of exactly two inputs, one of them the only use of a
 values: the scatter adds each read row's gradient to ``part``, repeated ids added
 repeatedly, as ``GatherGrad`` sums them.  Two copies of the weight's gradient instead of
 three.  Runs after ``accumulate-gradients-early``, which still sees the ``Sum`` and computes
-the other part early.  Statistics: ``embedding gradients scattered``.
+the other part early.
+
+torch's builder writes the same gradient as ``Add(part, ScatterND(zeros, ids, dY, "add"))``
+with ``zeros`` an ``Expand`` of a scalar 0 (``aten.full``): the same three tensors.  Rule: a
+backward two-input ``Add`` or ``Sum`` whose other input is the only use of such a
+ScatterND becomes ``ScatterND(part, ids, dY, "add")``; the zeros go once nothing reads them.
+Same values up to rounding where ids repeat (the rows are added into ``part`` one by one
+instead of summed first), as for GatherGrad.
+
+The ScatterND that remains still copies ``part``; an ortpass session removes it and adds
+the rows in place (:mod:`ortpass.training.row_scatter`).  Statistics: ``embedding
+gradients scattered``.
 """
 
 from __future__ import annotations
@@ -58,7 +69,27 @@ class ScatterEmbeddingGradientPass(OrtPass):
         found = [(node, parts) for node in graph if (parts := _embedding_sum(node)) is not None]
         for accumulate, (part, gather_grad) in found:
             self._scatter(graph, names, accumulate, part, gather_grad)
-        return ir.passes.PassResult(model, modified=bool(found))
+        into_zeros = [node for node in graph if _sum_of_scatter_into_zeros(node) is not None]
+        for accumulate in into_zeros:  # matched again: an earlier rewrite may have fed this sum
+            self._scatter_into_part(graph, accumulate, *_sum_of_scatter_into_zeros(accumulate))
+        return ir.passes.PassResult(model, modified=bool(found or into_zeros))
+
+    def _scatter_into_part(self, graph: ir.Graph, accumulate: ir.Node, part: ir.Value, scatter: ir.Node) -> None:
+        zeros = scatter.inputs[0]
+        scatter.replace_input_with(0, part)
+        if not zeros.uses() and zeros.producer() is not None:
+            graph.remove(zeros.producer(), safe=True)
+        elif not zeros.uses() and not zeros.is_graph_input():
+            graph.initializers.pop(zeros.name)
+        graph.remove(scatter)  # moved to the sum's place: ``part`` may come later than the zeros did
+        graph.insert_before(accumulate, scatter)
+        result = accumulate.outputs[0]
+        name = result.name
+        ir.convenience.replace_all_uses_with(result, scatter.outputs[0], replace_graph_outputs=True)
+        graph.remove(accumulate, safe=True)
+        scatter.outputs[0].name = name
+        self.count("embedding gradients scattered")
+        logger.debug("%s: embedding rows scattered into %s instead of zeros", name, part.name)
 
     def _scatter(self, graph: ir.Graph, names: NameAllocator, accumulate: ir.Node, part: ir.Value, gather_grad: ir.Node) -> None:
         _, ids, rows_grad = gather_grad.inputs
@@ -101,3 +132,45 @@ def _embedding_sum(node: ir.Node) -> tuple[ir.Value, ir.Node] | None:
             continue
         return part, producer
     return None
+
+
+def _sum_of_scatter_into_zeros(node: ir.Node) -> tuple[ir.Value, ir.Node] | None:
+    """``(part, scatter)`` when ``node`` is a backward two-input Add or Sum of a part and the
+    only use of a ``ScatterND(zeros, ids, dY, reduction="add")``, else None."""
+    if node.op_type not in ("Sum", "Add") or not is_onnx_domain(node.domain) or not is_backward(node):
+        return None
+    if len(node.inputs) != 2 or any(v is None for v in node.inputs) or node.inputs[0] is node.inputs[1]:
+        return None
+    result = node.outputs[0]
+    for scattered, part in (node.inputs, reversed(node.inputs)):
+        scatter = scattered.producer()
+        if scatter is None or scatter.op_type != "ScatterND" or not is_onnx_domain(scatter.domain):
+            continue
+        if scatter.attributes.get_string("reduction", "none") != "add" or len(scattered.uses()) != 1:
+            continue
+        if scattered.is_graph_output() or not _only_zeros(scatter.inputs[0]):
+            continue
+        if part.shape is None or result.shape is None or list(part.shape) != list(result.shape) or part.dtype != result.dtype:
+            continue
+        if scattered.shape is None or list(scattered.shape) != list(result.shape):
+            continue
+        return part, scatter
+    return None
+
+
+def _only_zeros(value: ir.Value | None) -> bool:
+    """``value`` is zeros: ``Expand`` of a constant scalar 0, or an initializer of zeros
+    (torch.onnx folds the Expand at static sizes, and shares one between scatters)."""
+    if value is None or value.is_graph_output() or value.is_graph_input():
+        return False
+    producer = value.producer()
+    if producer is None:
+        return value.is_initializer() and _all_zero(value)
+    return producer.op_type == "Expand" and is_onnx_domain(producer.domain) and _all_zero(producer.inputs[0], size=1)
+
+
+def _all_zero(value: ir.Value | None, size: int | None = None) -> bool:
+    tensor = ir.convenience.get_const_tensor(value) if value is not None else None
+    if tensor is None or (size is not None and tensor.size != size):
+        return False
+    return not np.any(tensor.numpy())

@@ -36,6 +36,7 @@ from ortpass.analysis.partition import get_training_info
 from ortpass.conventions import BUILDER_KEY, REPLAY_OF_KEY, SIDE_KEY, is_onnx_domain
 from ortpass.errors import OrtpassError
 from ortpass.io import load
+from ortpass.runtime.row_adds import numpy_tensor, ortvalue_tensor, rows_added_after
 from ortpass.runtime.step_errors import step_error, take_runner_error
 from ortpass.training.build import clamp_for_ort
 from ortpass.training.split import masks_read_where_redraws_differ
@@ -112,7 +113,7 @@ class TrainingSession:
         threads: int | None = None,
         session_options: Any = None,
     ) -> None:
-        model = training_model(model)
+        model, self._rows = rows_added_after(training_model(model))
         self.info = get_training_info(model)
         if self.info.loss is None:
             raise OrtpassError(
@@ -166,9 +167,10 @@ class TrainingSession:
             ort.set_seed(seed)
         take_runner_error()  # forget a failure from an earlier step
         try:
-            values = self._session.run(self._fetch, feeds)
+            values = self._session.run(self._rows.fetch(self._fetch), feeds)
         except Exception as exc:
             raise step_error(exc) from exc
+        values = self._rows.finish(self._fetch, values, numpy_tensor)
         n_grads = len(self.info.gradients)
         gradients = dict(zip(self.info.gradients, values[1 : 1 + n_grads]))
         _check_gradient_shapes(gradients, feeds)
@@ -184,7 +186,8 @@ class TrainingSession:
         ``OrtValue`` of each name in ``fetch``, owned by ORT (hand them to torch with
         ``to_dlpack``).  Parameters have no defaults here: the caller feeds them.
         """
-        return run_with_ort_values(self._session, feeds, fetch)
+        values = run_with_ort_values(self._session, feeds, self._rows.fetch(fetch))
+        return self._rows.finish(fetch, values, ortvalue_tensor)
 
 
 def training_model(model: ir.Model | str | os.PathLike) -> ir.Model:

@@ -19,6 +19,7 @@ import onnx_ir as ir
 
 from ortpass.analysis.partition import get_training_info
 from ortpass.errors import OrtpassError
+from ortpass.runtime.row_adds import ortvalue_tensor, rows_added_after_proto
 from ortpass.runtime.session import open_session, run_with_ort_values as _run, training_model
 from ortpass.training.split import declare_types, split_training_graph
 
@@ -64,7 +65,8 @@ class SplitTrainingSession:
         options = dict(threads=threads, session_options=session_options)
         self._forward, self.providers = open_session(graphs.forward, model, providers, **options)
         declare_types(graphs.backward.graph, {o.name: _elem_type(o.type) for o in self._forward.get_outputs()})
-        self._backward, _ = open_session(graphs.backward, model, providers, **options)
+        backward, self._rows = rows_added_after_proto(graphs.backward)
+        self._backward, _ = open_session(backward, model, providers, **options)
 
     def run_forward(self, feeds: Mapping[str, Any]) -> tuple[list[Any], list[Any]]:
         """Run forward on C-level OrtValues (``feeds`` holds at least every input forward
@@ -82,7 +84,8 @@ class SplitTrainingSession:
         run_feeds = {name: feeds[name] for name in self.backward_inputs}
         run_feeds.update(zip(self.stashed, stashed))
         run_feeds.update((self.seeds[output], value) for output, value in seeds.items())
-        return _run(self._backward, run_feeds, self.gradients)
+        values = _run(self._backward, run_feeds, self._rows.fetch(self.gradients))
+        return self._rows.finish(self.gradients, values, ortvalue_tensor)
 
     def run(self, batch: Mapping[str, Any], seeds: Mapping[str, Any] = {}) -> tuple[dict, dict]:
         """Forward then backward on numpy values (for tests and parity checks): the outputs

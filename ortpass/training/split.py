@@ -45,7 +45,7 @@ from ortpass.conventions import MS_DOMAIN, SIDE_KEY, is_onnx_domain
 from ortpass.errors import TrainingGraphError
 from ortpass.ops.dropout import is_dropout
 
-__all__ = ["MASK_PRODUCT_INFIX", "SplitGraphs", "declare_types", "finished_as_run", "masks_read_where_redraws_differ", "read_forward_masks", "split_training_graph"]
+__all__ = ["MASK_PRODUCT_INFIX", "SplitGraphs", "as_run", "declare_types", "finished_as_run", "masks_read_where_redraws_differ", "read_forward_masks", "split_training_graph"]
 
 logger = logging.getLogger(__name__)
 
@@ -209,20 +209,24 @@ def masks_read_where_redraws_differ(model: ir.Model) -> ir.Model:
     return model
 
 
-def finished_as_run(finish: Callable[[ir.Model], ir.Model] | None) -> Callable[[ir.Model], ir.Model] | None:
+def as_run(model: ir.Model) -> ir.Model:
+    """The graph an ortpass session runs for ``model`` on the installed onnxruntime:
+    :func:`masks_read_where_redraws_differ`, and the gradients' final row scatters left to
+    the session (:mod:`ortpass.training.row_scatter`).  ``model`` itself where neither applies."""
+    from ortpass.training.row_scatter import defer_row_scatters
+
+    return defer_row_scatters(masks_read_where_redraws_differ(model))[0]
+
+
+def finished_as_run(finish: Callable[[ir.Model], ir.Model] | None) -> Callable[[ir.Model], ir.Model]:
     """``finish`` (what a memory planner runs on each graph it tries: the passes after it
-    that shape the step's memory), then what a session makes of the result on the
-    installed onnxruntime (:func:`masks_read_where_redraws_differ`), so that a plan is
-    judged on the graph that runs.  On the training build, ``finish`` itself."""
-    from ortpass.training.backend import has_training_ops
+    that shape the step's memory), then :func:`as_run`, so that a plan is judged on the
+    graph that runs."""
 
-    if has_training_ops():
-        return finish
+    def finished(model: ir.Model) -> ir.Model:
+        return as_run(finish(model) if finish is not None else model)
 
-    def as_run(model: ir.Model) -> ir.Model:
-        return masks_read_where_redraws_differ(finish(model) if finish is not None else model)
-
-    return as_run
+    return finished
 
 
 def _is_onnx_dropout(node: ir.Node) -> bool:
