@@ -114,47 +114,47 @@ class ScatterEmbeddingGradientPass(OrtPass):
         logger.debug("%s: embedding rows scattered into %s", name, part.name)
 
 
-def _embedding_sum(node: ir.Node) -> tuple[ir.Value, ir.Node] | None:
-    """``(part, gather_grad)`` when ``node`` is a backward two-input Sum of a part and the only
-    use of an axis-0 GatherGrad, else None."""
+def _sum_parts(node: ir.Node) -> list[tuple[ir.Value, ir.Value]]:
+    """``(other, part)`` both ways round when ``node`` is a backward two-input Sum or Add
+    whose ``part`` has the result's shape and type; else none."""
     if node.op_type not in ("Sum", "Add") or not is_onnx_domain(node.domain) or not is_backward(node):
-        return None
+        return []
     if len(node.inputs) != 2 or any(v is None for v in node.inputs) or node.inputs[0] is node.inputs[1]:
-        return None
+        return []
     result = node.outputs[0]
-    for gathered, part in (node.inputs, reversed(node.inputs)):
+    if result.shape is None:
+        return []
+    return [
+        (other, part)
+        for other, part in (node.inputs, tuple(reversed(node.inputs)))
+        if part.shape is not None and list(part.shape) == list(result.shape) and part.dtype == result.dtype
+        and len(other.uses()) == 1 and not other.is_graph_output()
+    ]  # fmt: skip
+
+
+def _embedding_sum(node: ir.Node) -> tuple[ir.Value, ir.Node] | None:
+    """``(part, gather_grad)`` when ``node`` sums a part and the only use of an axis-0
+    GatherGrad, else None."""
+    for gathered, part in _sum_parts(node):
         producer = gathered.producer()
         if producer is None or producer.op_type != "GatherGrad" or producer.domain != MS_DOMAIN:
             continue
-        if producer.attributes.get_int("axis", 0) != 0 or len(gathered.uses()) != 1 or gathered.is_graph_output():
-            continue
-        if part.shape is None or result.shape is None or list(part.shape) != list(result.shape) or part.dtype != result.dtype:
-            continue
-        return part, producer
+        if producer.attributes.get_int("axis", 0) == 0:
+            return part, producer
     return None
 
 
 def _sum_of_scatter_into_zeros(node: ir.Node) -> tuple[ir.Value, ir.Node] | None:
-    """``(part, scatter)`` when ``node`` is a backward two-input Add or Sum of a part and the
-    only use of a ``ScatterND(zeros, ids, dY, reduction="add")``, else None."""
-    if node.op_type not in ("Sum", "Add") or not is_onnx_domain(node.domain) or not is_backward(node):
-        return None
-    if len(node.inputs) != 2 or any(v is None for v in node.inputs) or node.inputs[0] is node.inputs[1]:
-        return None
-    result = node.outputs[0]
-    for scattered, part in (node.inputs, reversed(node.inputs)):
+    """``(part, scatter)`` when ``node`` sums a part and the only use of a
+    ``ScatterND(zeros, ids, dY, reduction="add")`` of the part's shape, else None."""
+    for scattered, part in _sum_parts(node):
         scatter = scattered.producer()
         if scatter is None or scatter.op_type != "ScatterND" or not is_onnx_domain(scatter.domain):
             continue
-        if scatter.attributes.get_string("reduction", "none") != "add" or len(scattered.uses()) != 1:
+        if scatter.attributes.get_string("reduction", "none") != "add" or not _only_zeros(scatter.inputs[0]):
             continue
-        if scattered.is_graph_output() or not _only_zeros(scatter.inputs[0]):
-            continue
-        if part.shape is None or result.shape is None or list(part.shape) != list(result.shape) or part.dtype != result.dtype:
-            continue
-        if scattered.shape is None or list(scattered.shape) != list(result.shape):
-            continue
-        return part, scatter
+        if scattered.shape is not None and list(scattered.shape) == list(part.shape):
+            return part, scatter
     return None
 
 
