@@ -20,6 +20,7 @@ from ortpass.analysis.partition import get_partition, get_training_info
 from ortpass.conventions import BUILDER_KEY, is_onnx_domain
 from ortpass.errors import OrtpassError, TrainingGraphError
 from ortpass.runtime import SplitTrainingSession, TrainingSession
+from ortpass.runtime.parity import check_parity
 from ortpass.testing.models import GPTDecoder
 from ortpass.training.from_torch import build_training_graph_from_torch
 
@@ -238,3 +239,52 @@ def test_ortmodule_torch_builder_with_frozen_and_eval_blocks_trains_like_torch()
     wrapped = train_side_by_side(module, lambda model, ids: model(ids, ids.roll(-1, 1)), batches, builder="torch")
     assert wrapped.graph_builds == 1
     assert all(p.grad is None for p in module.blocks[0].parameters())
+
+
+class TwoSiLUBlocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up1, self.down1, self.up2, self.down2 = nn.Linear(16, 32), nn.Linear(32, 16), nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x):
+        h = self.down1(F.silu(self.up1(x)))
+        return self.down2(F.silu(self.up2(h))).pow(2).mean()
+
+
+def test_silus_gradient_reads_a_scalar_one_not_a_shared_tensor_of_ones():
+    """torch writes SiLU's gradient with ``full_like(x, 1) - sigmoid``, one tensor of ones the
+    trace shares between both blocks; the graph subtracts from the scalar instead."""
+    torch.manual_seed(0)
+    module, x = TwoSiLUBlocks(), torch.randn(4, 8, 16)
+    model = build_training_graph_from_torch(module, (x,), input_names=["x"], dynamic_axes={"x": [0, 1]})
+    subs = [n for n in model.graph if n.op_type == "Sub" and any(i.name.startswith("sigmoid") for i in n.inputs)]
+    assert len(subs) == 2
+    for sub in subs:
+        one = ir.convenience.get_const_tensor(sub.inputs[0])
+        assert one is not None and one.size == 1 and float(one.numpy().reshape(())) == 1.0
+    assert not any(n.op_type == "Expand" and ir.convenience.get_const_tensor(n.inputs[0]) is not None
+                   and any(u.op_type == "Sub" for u, _ in n.outputs[0].uses()) for n in model.graph)  # fmt: skip
+    check_parity(module, (x,), model, input_names=["x"]).assert_ok()
+
+
+def test_an_expanded_scalar_that_broadcasting_would_not_rebuild_stays():
+    """``Expand(2, [4, 3]) + b`` with ``b`` of shape [3]: the sum's shape comes from the Expand."""
+    from onnx import TensorProto, helper
+
+    from ortpass.training.joint_onnx import _broadcast_expanded_scalars
+
+    graph = helper.make_graph(
+        [helper.make_node("Expand", ["two", "shape"], ["full"]), helper.make_node("Add", ["full", "b"], ["y"]),
+         helper.make_node("Mul", ["full", "c"], ["z"])],
+        "g",
+        [helper.make_tensor_value_info("b", TensorProto.FLOAT, [3]), helper.make_tensor_value_info("c", TensorProto.FLOAT, [4, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 3]), helper.make_tensor_value_info("z", TensorProto.FLOAT, [4, 3])],
+        [helper.make_tensor("two", TensorProto.FLOAT, [], [2.0]), helper.make_tensor("shape", TensorProto.INT64, [2], [4, 3])],
+        value_info=[helper.make_tensor_value_info("full", TensorProto.FLOAT, [4, 3])],
+    )  # fmt: skip
+    model = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+    _broadcast_expanded_scalars(model.graph)
+    add, mul = (next(n for n in model.graph if n.op_type == op) for op in ("Add", "Mul"))
+    assert add.inputs[0].name == "full"  # kept: b alone would give shape [3]
+    assert mul.inputs[0].name == "two"  # c has the full shape: the scalar broadcasts to it
+    assert any(n.op_type == "Expand" for n in model.graph)

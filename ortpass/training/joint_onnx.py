@@ -46,11 +46,48 @@ def joint_to_onnx(program: torch.export.ExportedProgram, input_names: list[str])
     model = onnx_program.model
     params = list(program.graph_signature.parameters)  # their FQNs, the initializers' names
     optimize_keeping_training_values(model, params)
+    _broadcast_expanded_scalars(model.graph)
     model.ir_version = min(model.ir_version, MAX_ORT_IR_VERSION)
     user_inputs = [v for v in model.graph.inputs if v.name not in model.graph.initializers]
     for value, name in zip(user_inputs, input_names):
         value.name = name
     return model
+
+
+# Elementwise ops that broadcast their inputs numpy-style: a scalar read in place of a
+# tensor of the output's shape filled with it gives the same values.
+_BROADCASTING = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Where", "Equal", "Less", "Greater"})
+
+
+def _broadcast_expanded_scalars(graph: ir.Graph) -> None:
+    """Let broadcasting read a constant scalar that torch wrote as a full tensor.
+
+    torch's backward formulas fill tensors with a constant (``full_like(x, 1) - sigmoid``
+    in SiLU's gradient), which torch.onnx writes ``Expand(c, shape)``, and the trace shares
+    one such tensor among every layer of the same shape: on HF LLaMA (batch 8 x 512, MLP
+    1024) a 16 MiB tensor of ones alive through the whole backward.  Rule: where an
+    ``Expand`` of a one-element constant feeds a broadcasting elementwise op whose other
+    inputs already have the Expand's output shape, the op reads the constant itself; the
+    Expand goes once nothing reads it.  Same values: each element is the constant either way.
+    """
+    for expand in [n for n in graph if n.op_type == "Expand" and n.domain in ("", "ai.onnx")]:
+        fill, expanded = expand.inputs[0], expand.outputs[0]
+        constant = ir.convenience.get_const_tensor(fill) if fill is not None else None
+        if constant is None or constant.size != 1 or not _fully_named(expanded.shape) or expanded.is_graph_output():
+            continue
+        for reader, index in list(expanded.uses()):
+            others = [v for i, v in enumerate(reader.inputs) if i != index]
+            if reader.op_type in _BROADCASTING and reader.domain in ("", "ai.onnx") and others and all(
+                v is not None and v is not expanded and v.shape == expanded.shape for v in others
+            ):
+                reader.replace_input_with(index, fill)
+        if not expanded.uses():
+            graph.remove(expand, safe=True)
+
+
+def _fully_named(shape: ir.Shape | None) -> bool:
+    """Every dim a number or a named symbol: two such shapes that compare equal are equal."""
+    return shape is not None and all(isinstance(d, int) or d.value is not None for d in shape)
 
 
 def _ops_torch_onnx_writes_right(program: torch.export.ExportedProgram) -> None:
