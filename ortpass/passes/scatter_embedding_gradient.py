@@ -77,10 +77,11 @@ class ScatterEmbeddingGradientPass(OrtPass):
     def _scatter_into_part(self, graph: ir.Graph, accumulate: ir.Node, part: ir.Value, scatter: ir.Node) -> None:
         zeros = scatter.inputs[0]
         scatter.replace_input_with(0, part)
-        if not zeros.uses() and zeros.producer() is not None:
-            graph.remove(zeros.producer(), safe=True)
-        elif not zeros.uses() and not zeros.is_graph_input():
-            graph.initializers.pop(zeros.name)
+        if not zeros.uses():  # an Expand, or an initializer (_only_zeros)
+            if zeros.producer() is not None:
+                graph.remove(zeros.producer(), safe=True)
+            else:
+                graph.initializers.pop(zeros.name)
         graph.remove(scatter)  # moved to the sum's place: ``part`` may come later than the zeros did
         graph.insert_before(accumulate, scatter)
         result = accumulate.outputs[0]

@@ -13,10 +13,11 @@ Rule: a ScatterND with ``reduction="add"`` whose output is a graph output read b
 whose data is a node's output (not a graph input, initializer or output), and whose indices
 pick whole rows (last dim 1), is removed from the graph an ortpass session runs.  Other
 readers of the data may stay (``accumulate-gradients-early`` orders with one): the rows are
-added after the run, so they read what they read before.  Its data becomes the graph output under the gradient's name, its indices and rows
-become two more outputs, and the session adds the rows into the returned gradient in place
-(:func:`add_rows`), in the order of the updates as ORT's kernel does.  The saved graph keeps
-the ScatterND: only the session's copy of it changes.
+added after the run, so they read what they read before.  The data becomes the graph output
+under the gradient's name, the indices and rows two more outputs, and the session adds the
+rows into the returned gradient in place (:func:`ortpass.runtime.row_adds.add_rows`), in the
+order of the updates as ORT's kernel does.  The saved graph keeps the ScatterND: only the
+session's copy of it changes.
 """
 
 from __future__ import annotations
