@@ -94,3 +94,47 @@ def test_internal_dims_are_bound_by_shape_inference_at_concrete_dims():
     model = ir.from_proto(oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)]))
     assert bind_internal_dims(model, {"batch": 3}, {"unk__0"}) == {"unk__0": 6}
     assert bind_internal_dims(model, {"batch": 3}, set()) == {}
+
+
+def _range_graph(limit_nodes, limit: str, constants=()):
+    """x [batch, seq] -> r = Range(0, <limit>, 1) -> u = Unsqueeze(r, [1]) (shapes left
+    anonymous, as torch.onnx leaves them); returns the model."""
+    zero = oh.make_tensor("zero", onnx.TensorProto.INT64, [], [0])
+    one = oh.make_tensor("one", onnx.TensorProto.INT64, [], [1])
+    axes = oh.make_tensor("axes", onnx.TensorProto.INT64, [1], [1])
+    graph = oh.make_graph(
+        [*limit_nodes,
+         oh.make_node("Range", ["zero", limit, "one"], ["r"], name="range"),
+         oh.make_node("Unsqueeze", ["r", "axes"], ["u"], name="unsqueeze")],
+        "g",
+        [oh.make_tensor_value_info("x", onnx.TensorProto.INT64, ["batch", "seq"])],
+        [oh.make_tensor_value_info("u", onnx.TensorProto.INT64, [None, 1])],
+        [zero, one, axes, *constants],
+        value_info=[oh.make_tensor_value_info("r", onnx.TensorProto.INT64, [None])],
+    )
+    return ir.from_proto(oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)]))
+
+
+def test_a_range_over_a_shape_element_has_its_length_at_concrete_dims():
+    # onnx's inference takes a Range's length as data; read off the shape it is seq, and
+    # the Unsqueeze after it gets its size too.  Anonymous dims go by unk__<value>_<axis>.
+    index = oh.make_tensor("index", onnx.TensorProto.INT64, [], [1])
+    model = _range_graph(
+        [oh.make_node("Shape", ["x"], ["shape"]), oh.make_node("Gather", ["shape", "index"], ["seq"], axis=0)],
+        "seq", [index],
+    )
+    bound = bind_internal_dims(model, {"batch": 3, "seq": 7}, {"unk__r_0", "unk__u_0"})
+    assert bound == {"unk__r_0": 7, "unk__u_0": 7}
+    # Sliced by Shape's start/end and squeezed, as torch writes it.
+    squeeze_axes = oh.make_tensor("squeeze_axes", onnx.TensorProto.INT64, [1], [0])
+    model = _range_graph(
+        [oh.make_node("Shape", ["x"], ["shape"], start=0, end=1),
+         oh.make_node("Squeeze", ["shape", "squeeze_axes"], ["rows"])], "rows", [squeeze_axes],
+    )
+    assert bind_internal_dims(model, {"batch": 3, "seq": 7}, {"unk__r_0"}) == {"unk__r_0": 3}
+
+
+def test_a_range_over_the_data_stays_unbound():
+    # The limit is the largest token id: no size at any dims can tell it.
+    model = _range_graph([oh.make_node("ReduceMax", ["x"], ["top"], keepdims=0)], "top")
+    assert bind_internal_dims(model, {"batch": 3, "seq": 7}, {"unk__r_0", "unk__u_0"}) == {}

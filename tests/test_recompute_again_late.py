@@ -130,3 +130,19 @@ def test_under_a_budget_the_copies_stop_once_the_peak_meets_it():
         further = ortpass.pipeline("recompute-again-late", assume=["training-graph"])(unbounded)
         stopped_early |= _peak(further.model) < final
     assert stopped_early
+
+
+def test_on_a_graph_with_dynamic_dims_copies_are_judged_at_the_export_dims_and_exact_at_others():
+    """ORTModule's graphs carry symbolic dims; the copies are chosen at the sizes of the
+    export (its record) and stay exact at any other batch and sequence."""
+    torch.manual_seed(0)
+    module = GPTDecoder(vocab=32, hidden=16, heads=2, layers=2, max_seq=16, dropout=0.0)
+    ids = torch.randint(0, 32, (4, 16))
+    axes = {"input_ids": {0: "batch", 1: "seq"}, "labels": {0: "batch", 1: "seq"}}
+    model = build_training_graph_from_torch(module, (ids, ids.roll(-1, 1)), input_names=["input_ids", "labels"],
+                                            dynamic_axes=axes)  # fmt: skip
+    result = ortpass.pipeline(AGAIN, assume=["training-graph"])(model)
+    assert result.report["recompute-again-late"].stats["counts"]["values recomputed again"] >= 2
+    for batch, seq in ((4, 16), (3, 11)):
+        other = torch.randint(0, 32, (batch, seq))
+        check_parity(module, (other, other.roll(-1, 1)), result.model, input_names=["input_ids", "labels"]).assert_ok()

@@ -3,8 +3,9 @@
 Sizes are sympy expressions over the graph's dim params (``batch``, ``seq``...), so a
 report can say how a saving scales, and evaluate it at concrete dims.  A dim param that
 spells an expression over other dims (torch writes ``s0*s1``) becomes that expression; an
-unnamed dim becomes a symbol of its own (``unk__<value>_<axis>``) that no dims map binds,
-so sizes that depend on it stay unevaluated rather than guessed.
+unnamed dim becomes a symbol of its own (``unk__<value>_<axis>``), which only
+:func:`bind_internal_dims` binds (from shape inference at concrete dims), so sizes that
+depend on it stay unevaluated rather than guessed.
 
 Aliasing: some ops return a view of their input (ORT's CPU kernels reuse the input buffer
 for Reshape, Squeeze, Unsqueeze, Flatten, Identity).  Freeing such an output frees nothing
@@ -214,7 +215,9 @@ def bind_internal_dims(model: ir.Model, dims: Mapping[str, int], wanted: Iterabl
     Shape inference names dims it cannot express over the inputs' dims; the memory at
     concrete input dims still depends on them.  This runs onnx shape inference (with data
     propagation, so shape-computing subgraphs resolve) on a copy whose input dims are
-    concrete, and reads each wanted symbol off the values where it appears.  A symbol that
+    concrete, and reads each wanted symbol off the values where it appears (an unnamed dim
+    by its ``unk__<value>_<axis>`` name).  The shapes the graph already knows are kept, at
+    the concrete dims, and a ``Range`` over shape elements gets its length.  A symbol that
     gets two different values, or none, stays unbound.  The model is not changed.
     """
     import onnx
@@ -228,7 +231,20 @@ def bind_internal_dims(model: ir.Model, dims: Mapping[str, int], wanted: Iterabl
         for dim in value_info.type.tensor_type.shape.dim:
             if dim.HasField("dim_param") and dim.dim_param in dims:
                 dim.dim_value = int(dims[dim.dim_param])
-    del proto.graph.value_info[:]
+    # Known inner shapes stay, at the concrete dims: inference cannot recover every one
+    # (a Range's length is data to it), and a Shape of one feeds later shapes.
+    lengths = _range_lengths(model, dims)
+    for value_info in proto.graph.value_info:
+        if value_info.name in lengths:
+            value_info.type.tensor_type.shape.dim[0].dim_value = lengths[value_info.name]
+            continue
+        for dim in value_info.type.tensor_type.shape.dim:
+            if dim.HasField("dim_param"):
+                size = evaluate(_dim_param_expr(dim.dim_param), dims)
+                if size is None:
+                    dim.Clear()
+                else:
+                    dim.dim_value = size
     for value_info in proto.graph.output:  # declared output shapes would win over inferred ones
         value_info.type.tensor_type.ClearField("shape")
     try:
@@ -247,10 +263,68 @@ def bind_internal_dims(model: ir.Model, dims: Mapping[str, int], wanted: Iterabl
             shape = concrete.get(value.name)
             if value.shape is None or shape is None or len(shape) != len(value.shape):
                 continue
-            for dim, size in zip(value.shape, shape):
-                if isinstance(dim, ir.SymbolicDim) and dim.value in wanted and size is not None:
-                    if bindings.setdefault(dim.value, size) != size:
-                        conflicting.add(dim.value)
+            for i, (dim, size) in enumerate(zip(value.shape, shape)):
+                if not isinstance(dim, ir.SymbolicDim):
+                    continue
+                # An anonymous dim goes by the name symbolic_numel gives it.
+                name = dim.value if dim.value is not None else f"unk__{value.name}_{i}"
+                if name in wanted and size is not None:
+                    if bindings.setdefault(name, size) != size:
+                        conflicting.add(name)
     for name in conflicting:
         del bindings[name]
     return bindings
+
+
+def _range_lengths(model: ir.Model, dims: Mapping[str, int]) -> dict[str, int]:
+    """The length at ``dims`` of each ``Range`` whose length its shape leaves unnamed and
+    whose start, limit and delta are constants or elements of shapes (torch writes
+    ``Range(0, Gather(Shape(x), k), 1)``): onnx's inference treats a Range's length as
+    data, so every shape downstream of one would stay unknown."""
+    lengths: dict[str, int] = {}
+    for node in model.graph:
+        out = node.outputs[0] if node.op_type == "Range" and is_onnx_domain(node.domain) else None
+        if out is None or out.shape is None or len(out.shape) != 1 or isinstance(out.shape[0], int):
+            continue
+        start, limit, delta = (_scalar_at(v, dims) for v in node.inputs[:3])
+        if start is not None and limit is not None and delta:
+            lengths[out.name] = max(math.ceil((limit - start) / delta), 0)
+    return lengths
+
+
+def _scalar_at(value: ir.Value | None, dims: Mapping[str, int]) -> float | None:
+    """A scalar's value at ``dims``: a constant, or one element of a shape, through
+    Cast, Squeeze and Identity.  None for anything else."""
+    if value is None:
+        return None
+    if value.const_value is not None:
+        array = value.const_value.numpy()
+        return float(array.reshape(-1)[0]) if array.size == 1 else None
+    node = value.producer()
+    if node is None or not is_onnx_domain(node.domain):
+        return None
+    if node.op_type in ("Cast", "Squeeze", "Identity"):
+        return _scalar_at(node.inputs[0], dims)
+    if node.op_type == "Gather" and node.inputs[1] is not None and node.inputs[1].const_value is not None:
+        shape = _shape_read(node.inputs[0])
+        index = node.inputs[1].const_value.numpy().reshape(-1)
+        if shape is None or index.size != 1 or not -len(shape) <= int(index[0]) < len(shape):
+            return None
+        return _dim_at(shape[int(index[0])], dims)
+    shape = _shape_read(value)
+    return _dim_at(shape[0], dims) if shape is not None and len(shape) == 1 else None
+
+
+def _shape_read(value: ir.Value) -> list | None:
+    """The dims a ``Shape`` node's output lists (its start/end applied), or None."""
+    node = value.producer()
+    if node is None or node.op_type != "Shape" or node.inputs[0] is None or node.inputs[0].shape is None:
+        return None
+    full = list(node.inputs[0].shape)
+    start = node.attributes.get_int("start", 0)
+    end = node.attributes.get_int("end", len(full))
+    return full[start:end]
+
+
+def _dim_at(dim: int | ir.SymbolicDim, dims: Mapping[str, int]) -> int | None:
+    return dim if isinstance(dim, int) else evaluate(dim_expr(dim, unknown_name="unk__"), dims)

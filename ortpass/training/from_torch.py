@@ -37,6 +37,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.export.graph_signature import InputKind
 
+from ortpass.analysis import memory
 from ortpass.errors import TrainingGraphError
 from ortpass.infra.metadata import update_export_info
 from ortpass.training.joint_onnx import joint_to_onnx, record_training_graph
@@ -127,11 +128,22 @@ def _name_dims(model: ir.Model, names: list[str], args: tuple, dynamic_axes) -> 
             if isinstance(dim, ir.SymbolicDim) and dim.value is not None and dim.value not in renames:
                 renames[dim.value] = given.get(axis, f"{name}_dim{axis}")
                 sizes[renames[dim.value]] = int(arg.shape[axis])
+    symbols = {memory.dim_symbol(old): memory.dim_symbol(new) for old, new in renames.items()}
     values = [*model.graph.inputs, *(v for node in model.graph for v in node.outputs)]
     for value in values:
-        if value.shape is not None and any(isinstance(d, ir.SymbolicDim) and d.value in renames for d in value.shape):
-            value.shape = ir.Shape([ir.SymbolicDim(renames[d.value]) if isinstance(d, ir.SymbolicDim) and d.value in renames else d for d in value.shape])
+        if value.shape is not None and any(isinstance(d, ir.SymbolicDim) and d.value is not None for d in value.shape):
+            value.shape = ir.Shape([_renamed(d, symbols) for d in value.shape])
     update_export_info(model, dims=sizes)
+
+
+def _renamed(dim: int | ir.SymbolicDim, symbols: Mapping[Any, Any]) -> int | ir.SymbolicDim:
+    """``dim`` with torch's symbols renamed, inside expressions too (``s85*s95`` is
+    ``batch*seq``): the memory analyses bind a dim's size by its symbols' names."""
+    if not isinstance(dim, ir.SymbolicDim) or dim.value is None:
+        return dim
+    expr = memory.dim_expr(dim, unknown_name="")
+    renamed = expr.xreplace(symbols)
+    return dim if renamed == expr else ir.SymbolicDim(str(renamed))
 
 
 class _Joint(torch.nn.Module):
