@@ -27,7 +27,9 @@ The torch-builder rows (issue #33) build the training graph from torch's autogra
 (``build_training_graph_from_torch``) and run the default pipeline's post-grad passes;
 the stock row runs that graph in a child of ``--stock-python``, an environment holding
 stock ``onnxruntime`` (the README's ``.venv-stock``), with its recomputed Dropouts reading
-the forward masks as sessions do there.
+the forward masks as sessions do there.  The last ortpass row is ``ortpass.ORTModule`` in that
+environment, as a user runs it: the graph built at the first step with every input dim
+dynamic (the static rows' graphs have the benchmark's sizes fixed).
 
 Usage: ``python benchmarks/hf_memory.py [--models gpt2 llama] [--seq 512] [--steps 6]
 [--stock-python .venv-stock/bin/python]``.
@@ -65,6 +67,7 @@ CONFIGS = [
     ("ort_cpp_l1", "ORT 1.19.2 C++ memory optimizer, level 1", "ort-cpp"),
     ("torch_builder", "ortpass, torch builder (training build)", "ort"),
     ("torch_builder_stock", "ortpass, torch builder, stock onnxruntime", "ort-stock"),
+    ("wrapper_stock", "ortpass.ORTModule (dynamic dims), stock onnxruntime", "wrapper-stock"),
     ("torch", "torch eager (SDPA)", "torch"),
     ("torch_ckpt", "torch eager + gradient_checkpointing_enable()", "torch"),
 ]
@@ -185,6 +188,40 @@ def child_torch(work: Path, family: str, seq: int, key: str, steps: int) -> dict
     return result
 
 
+def child_wrapper(work: Path, family: str, seq: int, steps: int) -> dict:
+    """``ortpass.ORTModule`` over the loss module, as a user runs it: the graph built at
+    the first step with every input dim dynamic, its default pipeline (on stock
+    onnxruntime: the torch builder).  The memory run's sessions get the arena off, as the
+    other rows' (``hf_memory_real_width._sessions_without_arena``); the timing run loads the
+    graph the memory run built from the shared ``cache_dir``."""
+    import numpy as np
+    import torch
+
+    import ortpass
+    from hf_memory_real_width import _sessions_without_arena
+
+    without_arena = _sessions_without_arena()
+    model = build_model(family, seq)
+    model.load_state_dict(torch.load(work / "weights.pt"))
+    model.config.use_cache = False  # ORTModule returns tensors only
+    model.train()
+    batch = {k: torch.from_numpy(v) for k, v in np.load(work / "batch.npz").items()}
+    wrapped = ortpass.ORTModule(_loss_module(model), cache_dir=work / f"cache_{family}")
+    losses = []
+
+    def step():
+        wrapped.zero_grad(set_to_none=True)
+        loss = wrapped(**batch)
+        loss.backward()
+        losses.append(float(loss))
+
+    torch.manual_seed(0)
+    result = rm._measure(step, steps)
+    result.update(loss=losses[0], graph_builds=wrapped.graph_builds, sessions_without_arena=len(without_arena),
+                  torch_imported=True)
+    return result
+
+
 def run(families: list[str], seq: int, steps: int, only: list[str] | None = None, stock_python: str | None = None) -> dict:
     """Measure every configuration; the stock rows only with ``stock_python`` (a Python whose
     environment holds stock onnxruntime and ortpass)."""
@@ -206,13 +243,15 @@ def run(families: list[str], seq: int, steps: int, only: list[str] | None = None
                 entry["ort_cpp_plans"] = _child("ort-plans", str(work))
             entry["configs"] = {}
             for key, label, kind in CONFIGS:
-                if (only and key not in only) or (kind == "ort-stock" and not stock_python):
+                if (only and key not in only) or (kind.endswith("-stock") and not stock_python):
                     continue
                 print(f"[{family}] {label}", flush=True)
                 if kind == "ort-cpp":
                     measured = _config("ort-cpp", str(work), str(steps), str(int(key == "ort_cpp_l1")))
                 elif kind == "ort-stock":
                     measured = _config("ort", str(work), key, str(steps), "0", python=stock_python)
+                elif kind == "wrapper-stock":
+                    measured = _config("wrapper", str(work), family, str(seq), str(steps), python=stock_python)
                 elif kind.startswith("ort"):
                     measured = _config("ort", str(work), key, str(steps), str(int(kind == "ort-bridge")))
                 else:
@@ -238,7 +277,7 @@ def _child_version(python: str) -> str:
     """The onnxruntime version ``python`` imports (the stock rows' runtime)."""
     import subprocess
 
-    code = "import importlib.metadata as m; print(m.version('onnxruntime'))"
+    code = "import onnxruntime; print(onnxruntime.__version__)"  # either package's distribution name
     return subprocess.run([python, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
 
 
@@ -283,7 +322,7 @@ def _goal(family: str, configs: dict) -> list[str]:
     level 1, step time at most 1.2x torch + checkpointing's."""
     ckpt, cpp = configs["torch_ckpt"], configs["ort_cpp_l1"]
     lines = []
-    for key in ("ortpass", "ortpass_fused", "torch_builder", "torch_builder_stock"):
+    for key in ("ortpass", "ortpass_fused", "torch_builder", "torch_builder_stock", "wrapper_stock"):
         if key not in configs:
             continue
         ours = configs[key]
@@ -311,6 +350,8 @@ def main(argv: list[str] | None = None) -> None:
             out = rm.child_ort(path, rest[0], int(rest[1]), bridge=rest[2] == "1")
         elif kind == "ort-cpp":
             out = rm.child_ort_cpp(path, int(rest[0]), recompute=rest[1] == "1")
+        elif kind == "wrapper":
+            out = child_wrapper(path, rest[0], int(rest[1]), int(rest[2]))
         else:
             out = child_torch(path, rest[0], int(rest[1]), rest[2], int(rest[3]))
         print(json.dumps(out))

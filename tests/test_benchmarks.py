@@ -139,7 +139,7 @@ def test_hf_memory_measures_every_configuration_on_a_tiny_gpt2(monkeypatch):
     hf_memory = _load("hf_memory")
     results = hf_memory.run(["gpt2"], seq=16, steps=1)
     configs = results["families"]["gpt2"]["configs"]
-    assert list(configs) == [key for key, _, kind in hf_memory.CONFIGS if kind != "ort-stock"]  # no stock Python given
+    assert list(configs) == [key for key, _, kind in hf_memory.CONFIGS if not kind.endswith("-stock")]  # no stock Python
     assert all(c["step_seconds"] > 0 and c["step_peak_mib"] >= 0 for c in configs.values())
     assert all(c["memory_run_step_seconds"] > 0 for c in configs.values())  # times from a second run
     # The fused-attention graph runs its attention as PythonOps through the bridge.
@@ -150,6 +150,18 @@ def test_hf_memory_measures_every_configuration_on_a_tiny_gpt2(monkeypatch):
     # GPT-2's attention dropout (0.1) keeps ORTModule's "auto" default on the plain row.
     assert results["families"]["gpt2"]["prepare"]["auto_fuses"] is False
     assert "gpt2: ORTModule's default (fused_attention='auto') is the row \"ortpass default pipeline\"." in table
+
+
+@pytest.mark.slow
+def test_hf_memory_runs_the_wrapper_row_in_the_python_it_is_given(monkeypatch):
+    """The stock rows run in ``--stock-python``'s environment; given this one (the training
+    build here), the ORTModule row builds its graph at the first step and trains."""
+    monkeypatch.setenv("ORTPASS_BENCH_TINY", "1")
+    hf_memory = _load("hf_memory")
+    results = hf_memory.run(["gpt2"], seq=16, steps=2, only=["wrapper_stock"], stock_python=sys.executable)
+    row = results["families"]["gpt2"]["configs"]["wrapper_stock"]
+    assert row["graph_builds"] == 1  # built at the first step, reused by the steps after
+    assert row["sessions_without_arena"] > 0 and row["step_seconds"] > 0 and row["loss"] > 0
 
 
 @pytest.mark.slow
