@@ -198,7 +198,7 @@ def child_wrapper(work: Path, family: str, seq: int, steps: int) -> dict:
     import torch
 
     import ortpass
-    from hf_memory_real_width import _sessions_without_arena
+    from hf_memory_real_width import _sessions_without_arena, _training_step
 
     without_arena = _sessions_without_arena()
     model = build_model(family, seq)
@@ -207,16 +207,9 @@ def child_wrapper(work: Path, family: str, seq: int, steps: int) -> dict:
     model.train()
     batch = {k: torch.from_numpy(v) for k, v in np.load(work / "batch.npz").items()}
     wrapped = ortpass.ORTModule(_loss_module(model), cache_dir=work / f"cache_{family}")
-    losses = []
-
-    def step():
-        wrapped.zero_grad(set_to_none=True)
-        loss = wrapped(**batch)
-        loss.backward()
-        losses.append(float(loss))
-
+    losses: list[float] = []
     torch.manual_seed(0)
-    result = rm._measure(step, steps)
+    result = rm._measure(_training_step(wrapped, lambda: wrapped(**batch), losses), steps)
     result.update(loss=losses[0], graph_builds=wrapped.graph_builds, sessions_without_arena=len(without_arena),
                   torch_imported=True)
     return result

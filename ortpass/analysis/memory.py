@@ -297,17 +297,19 @@ def _scalar_at(value: ir.Value | None, dims: Mapping[str, int]) -> float | None:
     Cast, Squeeze and Identity.  None for anything else."""
     if value is None:
         return None
-    if value.const_value is not None:
-        array = value.const_value.numpy()
-        return float(array.reshape(-1)[0]) if array.size == 1 else None
+    constant = ir.convenience.get_const_tensor(value)  # an initializer or a Constant node
+    if constant is not None:
+        return float(constant.numpy().reshape(-1)[0]) if constant.size == 1 else None
     node = value.producer()
     if node is None or not is_onnx_domain(node.domain):
         return None
     if node.op_type in ("Cast", "Squeeze", "Identity"):
         return _scalar_at(node.inputs[0], dims)
-    if node.op_type == "Gather" and node.inputs[1] is not None and node.inputs[1].const_value is not None:
+    gathered = node.op_type == "Gather" and node.inputs[1] is not None
+    index_tensor = ir.convenience.get_const_tensor(node.inputs[1]) if gathered else None
+    if index_tensor is not None:
         shape = _shape_read(node.inputs[0])
-        index = node.inputs[1].const_value.numpy().reshape(-1)
+        index = index_tensor.numpy().reshape(-1)
         if shape is None or index.size != 1 or not -len(shape) <= int(index[0]) < len(shape):
             return None
         return _dim_at(shape[int(index[0])], dims)
