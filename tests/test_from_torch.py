@@ -313,3 +313,17 @@ def test_every_symbolic_dim_is_spelled_in_the_inputs_dims_and_the_step_is_predic
         assert {s.name for s in memory.dim_expr(ir.SymbolicDim(text), unknown_name="").free_symbols} <= set(dims), text
     step = predict_step_memory(model, dims)
     assert step.exact and not step.bounded
+
+
+def test_a_dim_the_trace_specialized_is_static_not_a_name_any_size_fits():
+    """torch.onnx writes a symbol a guard fixed (``Eq(s87, 4)``) as the dim name "4", which
+    ONNX Runtime would accept at any size; the torch builder makes it the static 4, and
+    renames real symbols inside expressions as before."""
+    from ortpass.training.from_torch import _renamed
+    from ortpass.analysis import memory
+
+    symbols = {memory.dim_symbol("s85"): memory.dim_symbol("batch")}
+    assert _renamed(ir.SymbolicDim("4"), symbols) == 4
+    assert _renamed(ir.SymbolicDim("s85"), symbols).value == "batch"
+    assert _renamed(ir.SymbolicDim("2*s85"), symbols).value == "2*batch"
+    assert _renamed(7, symbols) == 7

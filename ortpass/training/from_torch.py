@@ -40,6 +40,7 @@ from torch.export.graph_signature import InputKind
 from ortpass.analysis import memory
 from ortpass.errors import TrainingGraphError
 from ortpass.infra.metadata import update_export_info
+from ortpass.training.conv_gradient import convolution_gradient_decomposed
 from ortpass.training.joint_onnx import joint_to_onnx, record_training_graph
 
 __all__ = ["build_training_graph_from_torch"]
@@ -125,7 +126,7 @@ def _name_dims(model: ir.Model, names: list[str], args: tuple, dynamic_axes) -> 
         axes = dynamic_axes.get(name, ())
         given = axes if isinstance(axes, Mapping) else {}
         for axis, dim in enumerate(inputs[name].shape or ()) if name in inputs else ():
-            if isinstance(dim, ir.SymbolicDim) and dim.value is not None and dim.value not in renames:
+            if isinstance(dim, ir.SymbolicDim) and dim.value is not None and dim.value not in renames and not dim.value.isdigit():
                 renames[dim.value] = given.get(axis, f"{name}_dim{axis}")
                 sizes[renames[dim.value]] = int(arg.shape[axis])
     symbols = {memory.dim_symbol(old): memory.dim_symbol(new) for old, new in renames.items()}
@@ -138,10 +139,15 @@ def _name_dims(model: ir.Model, names: list[str], args: tuple, dynamic_axes) -> 
 
 def _renamed(dim: int | ir.SymbolicDim, symbols: Mapping[Any, Any]) -> int | ir.SymbolicDim:
     """``dim`` with torch's symbols renamed, inside expressions too (``s85*s95`` is
-    ``batch*seq``): the memory analyses bind a dim's size by its symbols' names."""
+    ``batch*seq``): the memory analyses bind a dim's size by its symbols' names.  A dim
+    the trace specialized (a guard in a backward formula, ``Eq(s87, 4)``) is written by
+    torch.onnx as the symbolic name ``"4"``, which ONNX Runtime accepts at any size while
+    the graph holds 4 inside: it becomes the static dim it is."""
     if not isinstance(dim, ir.SymbolicDim) or dim.value is None:
         return dim
     expr = memory.dim_expr(dim, unknown_name="")
+    if expr.is_Integer:
+        return int(expr)
     renamed = expr.xreplace(symbols)
     return dim if renamed == expr else ir.SymbolicDim(str(renamed))
 
@@ -312,7 +318,8 @@ def _joint_program(joint: _Joint, args: tuple, dynamic: tuple) -> torch.export.E
     program = _export(joint, args, dynamic)
     _drop_unread_parameters(program)
     try:
-        joint_program = _export_forward_backward(program, joint_loss_index=0)
+        with convolution_gradient_decomposed():  # torch.onnx cannot write convolution_backward
+            joint_program = _export_forward_backward(program, joint_loss_index=0)
     except Exception as exc:
         raise TrainingGraphError(f"torch could not trace the backward of {_shown(joint)}: {exc}") from exc
     # Functionalized only now: torch.export's own program keeps in-place buffer updates.
