@@ -327,3 +327,18 @@ def test_a_dim_the_trace_specialized_is_static_not_a_name_any_size_fits():
     assert _renamed(ir.SymbolicDim("s85"), symbols).value == "batch"
     assert _renamed(ir.SymbolicDim("2*s85"), symbols).value == "2*batch"
     assert _renamed(7, symbols) == 7
+
+
+def test_two_batchnorms_with_equal_statistics_keep_their_own_inputs():
+    """Fresh BatchNorms hold equal running statistics (zeros, ones): torch.onnx's
+    optimizer merged equal initializers, and the second BatchNorm then read the first's
+    statistics even after they changed (fed by name at every step)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 4), nn.BatchNorm1d(4)).eval()
+    wrapped = ortpass.ORTModule(model, builder="torch")
+    x = torch.randn(5, 4)
+    torch.testing.assert_close(wrapped(x), model(x))
+    with torch.no_grad():
+        model[3].running_mean.copy_(torch.randn(4))
+        model[3].running_var.copy_(torch.rand(4) + 0.5)
+    torch.testing.assert_close(wrapped(x), model(x))

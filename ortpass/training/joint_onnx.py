@@ -44,8 +44,11 @@ def joint_to_onnx(program: torch.export.ExportedProgram, input_names: list[str])
     except Exception as exc:
         raise TrainingGraphError(f"torch.onnx could not write the joint graph: {exc}") from exc
     model = onnx_program.model
-    params = list(program.graph_signature.parameters)  # their FQNs, the initializers' names
-    optimize_keeping_training_values(model, params)
+    # Parameters and buffers (their FQNs, the initializers' names) are kept apart: equal
+    # values would be merged (two BatchNorms' fresh running means, both zeros), and the
+    # module feeds each by its name at every step.
+    state = [*program.graph_signature.parameters, *program.graph_signature.buffers]
+    optimize_keeping_training_values(model, state)
     _broadcast_expanded_scalars(model.graph)
     model.ir_version = min(model.ir_version, MAX_ORT_IR_VERSION)
     user_inputs = [v for v in model.graph.inputs if v.name not in model.graph.initializers]
