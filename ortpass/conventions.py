@@ -58,6 +58,9 @@ STEP_MEMORY_TARGET_KEY = "pkg.ortpass.step_memory_target"
 #: Model: the padding row of each embedding ``Gather`` (JSON: output name -> row), written
 #: by ``ortpass.export``; the gradient build keeps that row's lookup gradient out.
 PADDING_IDX_KEY = "pkg.ortpass.padding_idx"
+#: Model: the buffers a forward updates (JSON: graph output -> buffer name), written by the
+#: torch builder, whose graph computes each new value (BatchNorm's running statistics).
+BUFFER_UPDATES_KEY = "pkg.ortpass.buffer_updates"
 
 #: Node name: a check-index-ranges node; the rest of the name says which indices it refuses.
 INDEX_CHECK_PREFIX = "ortpass refuses "

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from test_module_conformance import train_side_by_side
 from torch import nn
 
-from ortpass.training.conv_gradient import convolution_backward, input_gradient_cropped
+from ortpass.training.backend import has_training_ops
+from ortpass.training.conv_gradient import avg_pool_backward, convolution_backward, input_gradient_cropped
 
 aten = torch.ops.aten
 
@@ -64,6 +65,30 @@ def test_the_input_gradient_at_symbolic_sizes_equals_torchs(name):
     torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize(
+    "size, kernel, stride, padding, count_include_pad",
+    [((8, 8), (2, 2), (2, 2), (0, 0), True), ((9, 7), (3, 2), (2, 1), (1, 1), True), ((7, 6), (3, 3), (1, 2), (0, 1), True),
+     ((5, 6, 7), (2, 3, 2), (1, 2, 2), (1, 1, 0), True), ((8, 8), (2, 2), (), (0, 0), False)],
+    ids=["2d", "2d-padded", "2d-overlapping", "3d", "2d-default-stride"],
+)
+def test_average_pooling_gradient_equals_torchs(size, kernel, stride, padding, count_include_pad):
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, *size, generator=generator, dtype=torch.float64)
+    pool, backward = (aten.avg_pool2d, aten.avg_pool2d_backward) if len(size) == 2 else (aten.avg_pool3d, aten.avg_pool3d_backward)
+    y = pool(x, kernel, stride, padding, False, count_include_pad)
+    grad = torch.randn(y.shape, generator=generator, dtype=torch.float64)
+    expected = backward(grad, x, kernel, stride, padding, False, count_include_pad, None)
+    got = avg_pool_backward(grad, x, kernel, stride, padding, False, count_include_pad, None)
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
+
+
+def test_average_pooling_whose_windows_divide_differently_is_left_to_torch_onnx():
+    x, grad = torch.randn(1, 2, 5, 5), torch.randn(1, 2, 3, 3)
+    assert avg_pool_backward(grad, x, [2, 2], [2, 2], [0, 0], True, True, None) is NotImplemented  # ceil_mode
+    assert avg_pool_backward(grad, x, [3, 3], [2, 2], [1, 1], False, False, None) is NotImplemented  # padding not counted
+    assert avg_pool_backward(grad, x, [2, 2], [2, 2], [0, 0], False, True, 3) is NotImplemented  # divisor_override
+
+
 class _ConvNet(nn.Module):
     """Every kind of convolution the decomposition covers, GroupNorm between (a training
     BatchNorm's buffer updates are refused by the torch builder)."""
@@ -99,3 +124,52 @@ def test_a_cnn_trains_like_torch_on_the_torch_builder_as_the_batch_size_changes(
     batches = [(torch.randn(n, 3, 12, 10, generator=generator), torch.randint(0, 5, (n,), generator=generator)) for n in (4, 3, 4, 2)]
     loop = lambda model, batch: F.cross_entropy(model(batch[0]), batch[1])  # noqa: E731
     train_side_by_side(_ConvNet(), loop, batches, builder="torch")
+
+
+@pytest.mark.stock
+@pytest.mark.slow
+@pytest.mark.skipif(has_training_ops(), reason="ORT's builder trains ResNet-18 there (test_module_conformance.py)")
+def test_resnet18_with_training_batchnorm_steps_like_torch_at_each_steps_parameters():
+    """ResNet-18 (training BatchNorms, strided and 1x1 convolutions, max and adaptive
+    average pooling) on the torch builder, two SGD steps (SmallCNN's tests change the batch
+    size; a ResNet graph takes 40 s to build here): at every step
+    the loss, each gradient and the new BatchNorm statistics agree with torch eager run at
+    the wrapper's own parameters and buffers (a copy taken before the step)."""
+    import copy
+
+    from test_module_conformance import ResNet18, _images
+
+    from ortpass.runtime.module import ORTModule
+
+    torch.manual_seed(0)
+    model = ResNet18()
+    wrapped = ORTModule(model, builder="torch")
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.01)
+    for x, y in _images(2, sizes=(4,), side=32):
+        same = copy.deepcopy(model)
+        loss, expected = F.cross_entropy(wrapped(x), y), F.cross_entropy(same(x), y)
+        loss.backward()
+        expected.backward()
+        assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+        for (name, p), q in zip(model.named_parameters(), same.parameters()):
+            assert ((p.grad - q.grad).abs().max() / q.grad.abs().max()).item() <= 1e-4, name
+        for (name, b), c in zip(model.named_buffers(), same.buffers()):
+            torch.testing.assert_close(b, c, rtol=1e-5, atol=1e-6, msg=name)
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+@pytest.mark.stock
+def test_a_cnn_loaded_from_the_cache_updates_its_batchnorm_statistics_like_torch(tmp_path):
+    """The buffer updates are part of the cached graph's record: a second wrapper loads the
+    graph without building it and still updates the running statistics as torch does."""
+    from test_module_conformance import SmallCNN, _images, cross_entropy_outside
+
+    from ortpass.runtime.module import ORTModule
+
+    torch.manual_seed(0)
+    model = SmallCNN()
+    ORTModule(SmallCNN(), builder="torch", cache_dir=tmp_path)(next(_images(1))[0]).sum().backward()
+    wrapped = train_side_by_side(model, cross_entropy_outside, _images(2), wrap=lambda m: ORTModule(m, builder="torch", cache_dir=tmp_path))
+    assert wrapped.graph_builds == 0
+    assert int(model.norm.num_batches_tracked) == 2

@@ -150,20 +150,43 @@ def test_an_autograd_function_is_refused_by_name():
         _build(WithFunction(), ids, labels)
 
 
-def test_a_buffer_update_is_refused_by_name_and_an_eval_batchnorm_trains():
-    class Normed(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.linear, self.bn = nn.Linear(4, 4), nn.BatchNorm1d(4)
+class _Normed(nn.Module):
+    def __init__(self, **batch_norm):
+        super().__init__()
+        self.linear, self.bn = nn.Linear(4, 4), nn.BatchNorm1d(4, **batch_norm)
 
-        def forward(self, x):
-            return self.bn(self.linear(x)).square().mean()
+    def forward(self, x):
+        return self.bn(self.linear(x)).square().mean()
 
-    module, x = Normed(), torch.randn(6, 4)
-    before = module.bn.running_mean.clone()
-    with pytest.raises(TrainingGraphError, match=r"updates buffers \[.*'bn.running_mean'"):
+
+def test_a_batchnorm_trains_and_its_new_statistics_are_outputs_as_torch_computes_them():
+    """The trace functionalizes BatchNorm's running statistics: the graph computes them (by
+    torch's own decomposition: torch.onnx's BatchNormalization would normalize by the
+    running statistics) and names them in ``buffer_updates``; the module is not changed."""
+    from ortpass.training.from_torch import buffer_updates
+
+    torch.manual_seed(0)
+    module, x = _Normed(momentum=0.3), torch.randn(6, 4) * 3 + 1
+    before = {name: b.clone() for name, b in module.named_buffers()}
+    model = build_training_graph_from_torch(module, (x,), input_names=["x"])
+    assert all(torch.equal(b, before[name]) for name, b in module.named_buffers())  # the builder's forward left them
+    updates = buffer_updates(model)
+    assert sorted(updates.values()) == ["bn.num_batches_tracked", "bn.running_mean", "bn.running_var"]
+    session = TrainingSession(model, extra_outputs=list(updates))
+    result = session.run({"x": x.numpy()})  # the buffers' values as they were: the graph's initializers
+    module.zero_grad()
+    loss = module(x)  # torch's step updates the buffers
+    loss.backward()
+    assert result.loss == pytest.approx(loss.item(), rel=1e-5)
+    np.testing.assert_allclose(result.gradients["linear.weight"], module.linear.weight.grad.numpy(), rtol=1e-5, atol=1e-6)
+    for output, buffer in updates.items():
+        np.testing.assert_allclose(result.extras[output], module.get_buffer(buffer).numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_cumulative_batchnorm_is_refused_by_name_and_an_eval_one_trains():
+    module, x = _Normed(momentum=None), torch.randn(6, 4)
+    with pytest.raises(TrainingGraphError, match=r"BatchNorm \['bn'\] in training mode with momentum=None"):
         build_training_graph_from_torch(module, (x,), input_names=["x"])
-    assert torch.equal(module.bn.running_mean, before)  # the builder's own forward left it
     module.bn.eval()
     model = build_training_graph_from_torch(module, (x,), input_names=["x"])
     module.zero_grad()

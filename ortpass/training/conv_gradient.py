@@ -6,8 +6,10 @@ raises ``NotImplementedError``, so no CNN could train on stock ``onnxruntime``. 
 gradients are convolutions themselves (the adjoint identities below), and
 ``aten.convolution`` translates to ONNX ``Conv`` / ``ConvTranspose``.  So the joint trace
 decomposes ``convolution_backward`` with :func:`convolution_backward`, in ATen ops, before
-torch.onnx sees the graph.  No library offers this decomposition (torch's own, in
-Inductor, only splits the bias gradient off and keeps ``convolution_backward``).
+torch.onnx sees the graph (:mod:`ortpass.training.joint_decompositions`).  No library
+offers this decomposition (torch's own, in Inductor, only splits the bias gradient off and
+keeps ``convolution_backward``).  Average pooling's gradient, which torch.onnx cannot write
+either, is the input gradient of a depthwise convolution by a kernel of ``1 / k``.
 
 For ``y = conv(x, w)`` (stride ``s``, padding ``p``, dilation ``d``, ``g`` groups):
 
@@ -28,12 +30,11 @@ A transposed convolution ``y = conv_transpose(x, w)`` is the adjoint of ``conv(.
 
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import torch
 
-__all__ = ["convolution_backward", "convolution_gradient_decomposed", "input_gradient_cropped"]
+__all__ = ["avg_pool_backward", "convolution_backward", "input_gradient_cropped"]
 
 aten = torch.ops.aten
 
@@ -115,22 +116,32 @@ def _weight_gradient(
     return full
 
 
-@contextlib.contextmanager
-def convolution_gradient_decomposed() -> Iterator[None]:
-    """While open, the decompositions torch.export's joint trace applies
-    (``torch._decomp.core_aten_decompositions``, which ``_export_forward_backward`` reads
-    when called) include :func:`convolution_backward`."""
-    import torch._decomp as decomp
-
-    original = decomp.core_aten_decompositions
-
-    def with_convolution_gradient():
-        table = original()
-        table[aten.convolution_backward.default] = convolution_backward
-        return table
-
-    decomp.core_aten_decompositions = with_convolution_gradient
-    try:
-        yield
-    finally:
-        decomp.core_aten_decompositions = original
+def avg_pool_backward(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    kernel_size: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    ceil_mode: bool,
+    count_include_pad: bool,
+    divisor_override: int | None,
+) -> torch.Tensor:
+    """``aten.avg_pool{1,2,3}d_backward``: average pooling is a depthwise convolution by a
+    kernel of ``1 / prod(kernel)`` when every window divides by the kernel's size (no
+    ``ceil_mode``, no divisor override, and padded windows counting their padding or no
+    padding).  Otherwise ``NotImplemented``: the op stays, and torch.onnx names it."""
+    spatial = input.dim() - 2
+    kernel = list(kernel_size) * spatial if len(kernel_size) == 1 else list(kernel_size)
+    stride = (list(stride) * spatial if len(stride) == 1 else list(stride)) or kernel
+    padding = list(padding) * spatial if len(padding) == 1 else list(padding)
+    if ceil_mode or divisor_override is not None or (any(padding) and not count_include_pad):
+        return NotImplemented
+    channels = input.shape[1]
+    size = 1
+    for k in kernel:
+        size *= k
+    weight = torch.full((channels, 1, *kernel), 1.0 / size, dtype=grad_output.dtype, device=grad_output.device)
+    grad_input, _, _ = convolution_backward(
+        grad_output, input, weight, None, stride, padding, [1] * spatial, False, [0] * spatial, channels, [True, False, False]
+    )
+    return grad_input

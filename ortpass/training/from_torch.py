@@ -21,13 +21,16 @@ The product itself is dead once the gradients are out, and is removed.  Nodes th
 forward outputs need and that read no seed are tagged forward; the rest backward.
 
 What torch's trace would get silently wrong is refused: a ``torch.autograd.Function``
-(``torch.export`` inlines its forward and drops its backward) and a forward that updates
-a buffer (BatchNorm's running statistics in training mode).
+(``torch.export`` inlines its forward and drops its backward).  A forward that updates a
+buffer (BatchNorm's running statistics in training mode) is functionalized by the trace:
+the graph computes each new value, as the forward output ``<buffer>_updated``, and
+:func:`buffer_updates` lists them for the caller to copy into the module after a step.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -38,12 +41,13 @@ import torch.utils._pytree as pytree
 from torch.export.graph_signature import InputKind
 
 from ortpass.analysis import memory
+from ortpass.conventions import BUFFER_UPDATES_KEY
 from ortpass.errors import TrainingGraphError
 from ortpass.infra.metadata import update_export_info
-from ortpass.training.conv_gradient import convolution_gradient_decomposed
+from ortpass.training.joint_decompositions import joint_decompositions
 from ortpass.training.joint_onnx import joint_to_onnx, record_training_graph
 
-__all__ = ["build_training_graph_from_torch"]
+__all__ = ["buffer_updates", "build_training_graph_from_torch"]
 
 logger = logging.getLogger(__name__)
 
@@ -84,14 +88,15 @@ def build_training_graph_from_torch(
             every output that requires grad); used when there is no loss.
 
     Raises:
-        TrainingGraphError: a torch.autograd.Function or a buffer update in forward,
-            nothing to differentiate, or a failed trace (with torch's reason).
+        TrainingGraphError: a torch.autograd.Function, nothing to differentiate, or a
+            failed trace (with torch's reason).
     """
     args = tuple(args)
     names = list(input_names) if input_names is not None else [f"input_{k}" for k in range(len(args))]
     if len(names) != len(args):
         raise TrainingGraphError(f"{len(names)} input names for {len(args)} inputs")
     dynamic = _dynamic_shapes(names, args, dynamic_axes or {})
+    _refuse_cumulative_batch_norms(module)
     probe = _probe_outputs(module, args)
     loss_index, with_grad = _differentiated(probe, loss, outputs_with_grad)
     out_names = _output_names(output_names, len(probe), loss_index)
@@ -100,6 +105,7 @@ def build_training_graph_from_torch(
     seed_dynamic = tuple({a: torch.export.Dim.AUTO for a in range(s.dim())} or None for s in seeds)
     program = _joint_program(joint, (*args, *seeds), (*dynamic, *seed_dynamic))
     backward = program.graph_signature.backward_signature  # read before joint_to_onnx changes the kinds
+    mutated = dict(program.graph_signature.buffers_to_mutate)  # output arg -> buffer, likewise
     output_args = [spec.arg.name for spec in program.graph_signature.output_specs]
     # The backward signature names an input by AOTAutograd's placeholder, arg<k>_1, k its
     # position among all of the program's inputs.
@@ -107,12 +113,21 @@ def build_training_graph_from_torch(
     seed_names = [f"{out_names[k]}_grad" for k in ([loss_index] if loss_index is not None else with_grad)]
     model = joint_to_onnx(program, [*names, *seed_names])
     inputs_by_arg = dict(zip(input_args, [*names, *seed_names]))
-    info = record_training_graph(model, backward, output_args, inputs_by_arg, out_names, seed_names, loss_index, with_grad, _INNER)
+    info = record_training_graph(
+        model, backward, output_args, inputs_by_arg, out_names, seed_names, loss_index, with_grad, _INNER, mutated
+    )
     _name_dims(model, names, args, dynamic_axes or {})
     logger.info(
         "built training graph from torch: %d nodes, %d gradients", len(model.graph), len(info.gradients)
     )
     return model
+
+
+def buffer_updates(model: ir.Model) -> dict[str, str]:
+    """The buffers a torch-built training graph's forward updates: graph output -> buffer
+    name (empty for a forward that updates none, and for ORT's builder's graphs)."""
+    raw = model.metadata_props.get(BUFFER_UPDATES_KEY)
+    return json.loads(raw) if raw else {}
 
 
 def _name_dims(model: ir.Model, names: list[str], args: tuple, dynamic_axes) -> None:
@@ -244,13 +259,30 @@ def _attention_as_math() -> Iterator[None]:
 
 
 def _export(module: torch.nn.Module, args: tuple, dynamic: tuple) -> torch.export.ExportedProgram:
-    with _refusing_autograd_functions() as applied, torch.random.fork_rng(devices=[]), _attention_as_math():
+    # Grad on: a call under no_grad that updates BatchNorm statistics is traced as a step.
+    with _refusing_autograd_functions() as applied, torch.random.fork_rng(devices=[]), _attention_as_math(), torch.enable_grad():
         try:
             program = torch.export.export(module, args, dynamic_shapes=(dynamic,), strict=False)
         except Exception as exc:
             raise TrainingGraphError(f"torch.export could not trace {_shown(module)}: {exc}") from exc
     _refuse_functions(module, applied)
     return program
+
+
+def _refuse_cumulative_batch_norms(module: torch.nn.Module) -> None:
+    """A training BatchNorm with ``momentum=None`` averages over every batch so far: its
+    forward reads ``1 / num_batches_tracked`` as a Python float, data torch.export cannot
+    trace ("Could not extract specialized integer from data-dependent expression")."""
+    cumulative = [
+        name for name, m in module.named_modules()
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training and m.track_running_stats and m.momentum is None
+    ]  # fmt: skip
+    if cumulative:
+        raise TrainingGraphError(
+            f"{_shown(module)}: BatchNorm {cumulative} in training mode with momentum=None (a cumulative average, "
+            "1/num_batches_tracked read as a Python number) cannot be traced by torch.export; give it a momentum, "
+            "or use ORT's builder (onnxruntime-training)"
+        )
 
 
 def _refuse_functions(module: torch.nn.Module, applied: list[str]) -> None:
@@ -318,17 +350,10 @@ def _joint_program(joint: _Joint, args: tuple, dynamic: tuple) -> torch.export.E
     program = _export(joint, args, dynamic)
     _drop_unread_parameters(program)
     try:
-        with convolution_gradient_decomposed():  # torch.onnx cannot write convolution_backward
+        with joint_decompositions(), torch.enable_grad():  # ATen ops torch.onnx cannot write (right)
             joint_program = _export_forward_backward(program, joint_loss_index=0)
     except Exception as exc:
         raise TrainingGraphError(f"torch could not trace the backward of {_shown(joint)}: {exc}") from exc
-    # Functionalized only now: torch.export's own program keeps in-place buffer updates.
-    mutated = sorted(name.removeprefix(f"{_INNER}.") for name in joint_program.graph_signature.buffers_to_mutate.values())
-    if mutated:
-        raise TrainingGraphError(
-            f"{_shown(joint)}.forward updates buffers {mutated} (BatchNorm's running statistics in training mode); "
-            "the torch builder does not carry buffer updates: use eval() for those modules or ORT's builder"
-        )
     return joint_program
 
 

@@ -10,6 +10,7 @@ initializer of ones, each node tagged forward or backward, and the training reco
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
@@ -19,7 +20,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from ortpass.analysis.partition import TrainingInfo, set_training_info, tag
-from ortpass.conventions import BUILDER_KEY, MAX_ORT_IR_VERSION, SIDE_KEY
+from ortpass.conventions import BUFFER_UPDATES_KEY, BUILDER_KEY, MAX_ORT_IR_VERSION, SIDE_KEY
 from ortpass.errors import TrainingGraphError
 from ortpass.ops.optimizer import optimize_keeping_training_values
 
@@ -129,18 +130,22 @@ def _shape(node: Any) -> tuple | None:
 
 
 def record_training_graph(
-    model: ir.Model, backward, output_args: list[str], inputs_by_arg: dict[str, str], out_names, seed_names, loss_index, with_grad, prefix: str
+    model: ir.Model, backward, output_args: list[str], inputs_by_arg: dict[str, str], out_names, seed_names, loss_index, with_grad,
+    prefix: str, buffers_to_mutate: dict[str, str],
 ) -> TrainingInfo:
     """Name the outputs and the parameters, make the loss's seed ones, drop the objective,
     tag the sides and record the training info.  ``output_args``: the joint program's
     output names, in the order of the ONNX graph's outputs; ``inputs_by_arg``: its user
-    inputs' names -> the graph's input names."""
+    inputs' names -> the graph's input names; ``buffers_to_mutate``: output arg -> the
+    buffer whose new value it is (those outputs come first in the program)."""
     graph = model.graph
     by_arg = dict(zip(output_args, graph.outputs))
-    flat = list(graph.outputs)[1 : 1 + len(out_names)]
+    objective_and_outputs = [value for arg, value in by_arg.items() if arg not in buffers_to_mutate]
+    flat = objective_and_outputs[1 : 1 + len(out_names)]
     graph.outputs.clear()
     for value, name in zip(flat, out_names):
         graph.outputs.append(_as_output(graph, value, name))
+    updated = {buffer.removeprefix(f"{prefix}."): by_arg[arg] for arg, buffer in buffers_to_mutate.items()}
     state = _rename_state(graph, prefix)
     gradients, input_gradients = {}, {}
     for arg, param in backward.gradients_to_parameters.items():
@@ -151,13 +156,16 @@ def record_training_graph(
         if user_input not in seed_names:  # not a seed's own gradient
             input_gradients[user_input] = _append_output(graph, by_arg[arg], f"{user_input}_grad")
     _make_inputs(graph, list(gradients))
+    updates = {_append_output(graph, value, f"{buffer}_updated"): buffer for buffer, value in updated.items()}
+    if updates:
+        model.metadata_props[BUFFER_UPDATES_KEY] = json.dumps(updates)
     loss_name = out_names[loss_index] if loss_index is not None else None
     if loss_name is not None:
         _seed_of_ones(graph, seed_names[0], graph.outputs[loss_index])
     common_passes.RemoveUnusedNodesPass()(model)
     _dims_from_inputs(graph, [v for v in graph.inputs if v.name in seed_names])
     _name_nodes(graph)
-    _tag_sides(graph, flat)
+    _tag_sides(graph, [*flat, *(v for v in graph.outputs if v.name in updates)])
     early = sorted({n.name for v in graph.inputs if v.name in seed_names for n, _ in v.uses() if n.metadata_props[SIDE_KEY] == "forward"})
     if early:
         raise TrainingGraphError(f"forward nodes {early} read an output's gradient (a size torch.onnx took from it)")

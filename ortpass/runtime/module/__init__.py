@@ -251,8 +251,11 @@ class ORTModule(GraphBuilding, torch.nn.Module):
         return self._unflatten(graph, outputs)
 
     def _update_batch_norms(self, graph: BuiltGraph, statistics: list[torch.Tensor]) -> None:
-        for k, bn in enumerate(graph.batch_norms):
-            bn.apply(self.module, *statistics[3 * k : 3 * k + 3])
+        start = 0
+        for bn in graph.batch_norms:
+            count = len(bn.outputs())
+            bn.apply(self.module, *statistics[start : start + count])
+            start += count
 
     @staticmethod
     def _unflatten(graph: BuiltGraph, outputs: Sequence[torch.Tensor]) -> Any:

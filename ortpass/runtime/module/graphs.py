@@ -26,9 +26,11 @@ from ortpass.runtime.module.dims import PinnedDims, graph_signature, prove_dynam
 from ortpass.runtime.module.flat import INNER, FlatCall, checkpointing_disabled
 from ortpass.runtime.module.state import (
     BatchNormUpdate,
+    BufferCopy,
     export_side_effects_undone,
     expose_batch_norm_statistics,
     running_stat_buffers,
+    state_update_from,
 )
 from ortpass.runtime.module.transitions import InputSchema
 
@@ -50,7 +52,7 @@ class BuiltGraph:
     outputs: list[str]  # one graph output per flat output (loss first in a loss step)
     gradient_outputs: list[str]  # loss step: parameters' then inputs' gradients
     differentiated: list[int]  # split step: the flat outputs whose gradients backward takes
-    batch_norms: list[BatchNormUpdate]
+    batch_norms: list[BatchNormUpdate | BufferCopy]  # the module state a step updates, from graph outputs
     output_spec: Any  # a TreeSpec
     output_leaves: list[tuple[str, str]]
     report: Any = None  # the pipeline's PassReport (None for a graph loaded from the cache)
@@ -61,7 +63,12 @@ class BuiltGraph:
     def written_by_ort(self) -> set[str]:
         """The buffers ORT writes over while it runs (BatchNorm's running statistics, which
         ``BatchNormInternal`` outputs in place of its inputs): fed as copies."""
-        return {f"{bn.module}.{stat}".lstrip(".") for bn in self.batch_norms for stat in ("running_mean", "running_var")}
+        return {
+            f"{bn.module}.{stat}".lstrip(".")
+            for bn in self.batch_norms
+            if isinstance(bn, BatchNormUpdate)
+            for stat in ("running_mean", "running_var")
+        }
 
 
 class _ForwardSession:
@@ -278,7 +285,7 @@ class GraphBuilding:
         dynamic, from size 2 on; the others are pinned."""
         import ortpass
         from ortpass.infra.pipeline_text import passes_of_phase
-        from ortpass.training.from_torch import build_training_graph_from_torch
+        from ortpass.training.from_torch import buffer_updates, build_training_graph_from_torch
 
         dynamic = {n: [a for a in range(t.dim()) if (i, a) not in static] for i, (n, t) in enumerate(zip(names, tensors))}
         traced = [t.detach().requires_grad_(t.requires_grad) for t in tensors]
@@ -290,6 +297,7 @@ class GraphBuilding:
             model = build_training_graph_from_torch(
                 flat, traced, input_names=names, dynamic_axes=dynamic, loss=lambda _: 0 if found_loss() else None
             )
+        updates = [BufferCopy(buffer.removeprefix(f"{INNER}."), output) for output, buffer in buffer_updates(model).items()]
         has_loss = found_loss()
         outputs = [v.name for v in model.graph.outputs[: len(flat.requires_grad)]]
         post_grad = passes_of_phase(self.pipeline, "post-grad")
@@ -309,7 +317,7 @@ class GraphBuilding:
             "inputs_with_grad": [i for i, t in enumerate(tensors) if t.requires_grad],
             "state_inputs": [[n, n.removeprefix(f"{INNER}.")] for n in stripped if n in graph_inputs],
             "outputs": outputs,
-            "batch_norms": [],
+            "batch_norms": [update.to_list() for update in updates],
             "output_spec": flat.output_spec,
             "output_leaves": flat.output_leaves,
             "pin": sorted(all_dims - symbolic),
@@ -361,7 +369,7 @@ class GraphBuilding:
             outputs=meta["outputs"],
             gradient_outputs=gradient_outputs,
             differentiated=differentiated,
-            batch_norms=[BatchNormUpdate(*entry) for entry in meta["batch_norms"]],
+            batch_norms=[state_update_from(entry) for entry in meta["batch_norms"]],
             output_spec=output_spec,
             output_leaves=[tuple(pair) for pair in meta["output_leaves"]],
             report=report,

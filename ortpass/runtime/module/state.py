@@ -33,10 +33,12 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "BatchNormUpdate",
+    "BufferCopy",
     "SideEffects",
     "expose_batch_norm_statistics",
     "export_side_effects_undone",
     "running_stat_buffers",
+    "state_update_from",
 ]
 
 
@@ -117,8 +119,37 @@ class BatchNormUpdate:
             bn.running_mean.mul_(1 - factor).add_(mean.to(bn.running_mean.dtype), alpha=factor)
             bn.running_var.mul_(1 - factor).add_(unbiased.to(bn.running_var.dtype), alpha=factor)
 
+    def outputs(self) -> tuple[str, ...]:
+        """The graph outputs :meth:`apply` takes, in order."""
+        return (self.mean, self.inv_std, self.count)
+
     def to_list(self) -> list[str]:
         return [self.module, self.mean, self.inv_std, self.count]
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferCopy:
+    """A buffer whose new value the graph computes (the torch builder's: AOTAutograd
+    functionalizes BatchNorm's running statistics and ``num_batches_tracked``, by torch's
+    own formulas, momentum None included): copied into the module after the step."""
+
+    buffer: str
+    output: str
+
+    def outputs(self) -> tuple[str, ...]:
+        return (self.output,)
+
+    def apply(self, root: torch.nn.Module, value: torch.Tensor) -> None:
+        with torch.no_grad():
+            root.get_buffer(self.buffer).copy_(value)
+
+    def to_list(self) -> dict[str, str]:
+        return {"buffer": self.buffer, "output": self.output}
+
+
+def state_update_from(entry: list | dict) -> BatchNormUpdate | BufferCopy:
+    """The update a cache entry's ``to_list()`` describes."""
+    return BufferCopy(**entry) if isinstance(entry, dict) else BatchNormUpdate(*entry)
 
 
 def expose_batch_norm_statistics(model: ir.Model, module: torch.nn.Module, prefix: str) -> list[BatchNormUpdate]:

@@ -148,7 +148,7 @@ class LossRun:
 
     def __call__(self):
         graph = self.graph
-        statistics = [name for bn in graph.batch_norms for name in (bn.mean, bn.inv_std, bn.count)]
+        statistics = [name for bn in graph.batch_norms for name in bn.outputs()]
         values = graph.session.run_with_ort_values(self.feeds, graph.outputs + graph.gradient_outputs + statistics)
         values = [to_torch(v) for v in values]
         n, g = len(graph.outputs), len(graph.gradient_outputs)
@@ -168,7 +168,7 @@ class SplitRun:
         outputs, stash = session.run_forward(self.feeds)
         by_name = dict(zip(session.outputs, (to_torch(v) for v in outputs)))
         self.module._update_batch_norms(
-            self.graph, [by_name[n] for bn in self.graph.batch_norms for n in (bn.mean, bn.inv_std, bn.count)]
+            self.graph, [by_name[n] for bn in self.graph.batch_norms for n in bn.outputs()]
         )
         return [by_name[name] for name in self.graph.outputs], stash
 
