@@ -131,7 +131,7 @@ class BatchNormUpdate:
 class BufferCopy:
     """A buffer whose new value the graph computes (the torch builder's: AOTAutograd
     functionalizes BatchNorm's running statistics and ``num_batches_tracked``, by torch's
-    own formulas, momentum None included): copied into the module after the step."""
+    own formulas): copied into the module after the step."""
 
     buffer: str
     output: str
