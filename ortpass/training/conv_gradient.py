@@ -30,6 +30,7 @@ A transposed convolution ``y = conv_transpose(x, w)`` is the adjoint of ``conv(.
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -126,7 +127,7 @@ def avg_pool_backward(
     count_include_pad: bool,
     divisor_override: int | None,
 ) -> torch.Tensor:
-    """``aten.avg_pool{1,2,3}d_backward``: average pooling is a depthwise convolution by a
+    """``aten.avg_pool{2,3}d_backward`` (1-d pooling runs as 2-d): average pooling is a depthwise convolution by a
     kernel of ``1 / prod(kernel)`` when every window divides by the kernel's size (no
     ``ceil_mode``, no divisor override, and padded windows counting their padding or no
     padding).  Otherwise ``NotImplemented``: the op stays, and torch.onnx names it."""
@@ -137,10 +138,7 @@ def avg_pool_backward(
     if ceil_mode or divisor_override is not None or (any(padding) and not count_include_pad):
         return NotImplemented
     channels = input.shape[1]
-    size = 1
-    for k in kernel:
-        size *= k
-    weight = torch.full((channels, 1, *kernel), 1.0 / size, dtype=grad_output.dtype, device=grad_output.device)
+    weight = torch.full((channels, 1, *kernel), 1.0 / math.prod(kernel), dtype=grad_output.dtype, device=grad_output.device)
     grad_input, _, _ = convolution_backward(
         grad_output, input, weight, None, stride, padding, [1] * spatial, False, [0] * spatial, channels, [True, False, False]
     )

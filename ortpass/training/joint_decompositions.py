@@ -7,8 +7,9 @@ CNN meets it cannot translate right, and :func:`joint_decompositions` adds their
 
 - ``aten.convolution_backward``: no translation (its entry raises).  Decomposed into
   convolutions (:func:`ortpass.training.conv_gradient.convolution_backward`).
-- ``aten.avg_pool{2,3}d_backward`` (1-d pooling is 2-d's): no translation.  Decomposed into a depthwise
-  convolution's input gradient (:func:`ortpass.training.conv_gradient.avg_pool_backward`).
+- ``aten.avg_pool{2,3}d_backward`` (1-d pooling runs as 2-d): no translation.  Decomposed
+  into a depthwise convolution's input gradient
+  (:func:`ortpass.training.conv_gradient.avg_pool_backward`).
 - ``aten._native_batch_norm_legit_functional`` (BatchNorm in training mode): translated
   *wrong*.  Its torch_lib entry sets ``training = False`` and writes the inference
   ``BatchNormalization``, which normalizes by the running statistics instead of the
