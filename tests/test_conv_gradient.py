@@ -121,7 +121,7 @@ def test_a_cnn_trains_like_torch_on_the_torch_builder_as_the_batch_size_changes(
     on 3 samples and return 4 rows."""
     torch.manual_seed(0)
     generator = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(n, 3, 12, 10, generator=generator), torch.randint(0, 5, (n,), generator=generator)) for n in (4, 3, 4, 2)]
+    batches = [(torch.randn(n, 3, 12, 10, generator=generator), torch.randint(0, 5, (n,), generator=generator)) for n in (4, 3, 4)]
     loop = lambda model, batch: F.cross_entropy(model(batch[0]), batch[1])  # noqa: E731
     train_side_by_side(_ConvNet(), loop, batches, builder="torch")
 

@@ -117,7 +117,9 @@ def test_under_a_budget_the_copies_stop_once_the_peak_meets_it():
     lowest = ortpass.pipeline(pipeline.format(0.0), assume=["training-graph"])(model.clone()).report["recompute"]
     floor = lowest.stats["counts"]["predicted peak bytes"]
     stopped_early = False
-    for budget in (0.0, *(int(floor * (1 + k / 100)) for k in range(1, 11)), 0.5):
+    # Budgets at the floor, a little and well above it, and a fraction: each pipeline run
+    # plans the whole graph (seconds each), so a few points stand for the range.
+    for budget in (0.0, *(int(floor * (1 + k / 100)) for k in (1, 4, 8)), 0.5):
         result = ortpass.pipeline(pipeline.format(budget), assume=["training-graph"])(model.clone())
         counts = result.report["recompute"].stats["counts"]
         final = _peak(result.model)

@@ -2,7 +2,8 @@
 graph from torch's autograd (``ORTModule(builder="torch")``, what stock ``onnxruntime``
 gets), trained beside torch eager with batch size and sequence length changing every
 step, the loss from ``labels`` or computed in torch from the logits, and the default
-pipeline's post-grad passes applied (recompute among them).
+pipeline's post-grad passes applied (recompute among them; on five families the loss
+chunked in narrow vocabulary slices, :data:`CHUNKED`).
 
 CI runs this file twice: in a venv holding only stock ``onnxruntime`` (the ``stock``
 marker), every family; and with the training build, three of them (:data:`ON_TRAINING_BUILD`).
@@ -45,28 +46,29 @@ def _recomputed_nodes(wrapped: ORTModule) -> int:
     return wrapped.transitions.current_graph.report["recompute"].stats["counts"].get("nodes cloned", 0)
 
 
+#: Families whose run forces chunk-lm-head-loss to narrow slices (the suite's vocabulary of
+#: 1000 is one default slice): causal, masked-LM with a biased head, seq2seq heads, BART's
+#: ``final_logits_bias`` added to the batch x sequence logits.  The other families run the
+#: default pipeline as it is, where the pass finds nothing to chunk.
+CHUNKED = ("gpt2", "llama", "bert", "t5", "bart")
+
+
 @pytest.mark.parametrize("name", _families(sorted(FAMILIES)))
 def test_shapes_changing_every_step_train_like_torch(name):
-    wrapped = train_side_by_side(_model(name), loss_from_labels, _batches(FAMILIES[name].labels), builder="torch")
+    """Every family trains like torch through the default pipeline; those in
+    :data:`CHUNKED` with their loss computed in vocabulary slices of 256."""
+    from ortpass.passes import DEFAULT_PIPELINE
+
+    pipeline = DEFAULT_PIPELINE.replace("chunk-lm-head-loss,", "chunk-lm-head-loss(chunk=256),") if name in CHUNKED else None
+    wrapped = train_side_by_side(_model(name), loss_from_labels, _batches(FAMILIES[name].labels), builder="torch",
+                                 pipeline=pipeline)  # fmt: skip
     assert wrapped.graph_builds == 1, wrapped.transitions.transitions  # torch.export's dims: one graph
     assert _recomputed_nodes(wrapped) > 0
+    chunked = wrapped.transitions.current_graph.report["chunk-lm-head-loss"].stats["counts"].get("losses chunked", 0)
+    assert chunked == (1 if name in CHUNKED else 0)
 
 
 @pytest.mark.parametrize("name", _families(["gpt2", "llama", "bert", "bart"]))
 def test_loss_computed_in_torch_from_the_logits(name):
     wrapped = train_side_by_side(_model(name), loss_from_logits, _batches(FAMILIES[name].labels), builder="torch")
     assert wrapped.transitions.current_graph.kind == "split"
-
-
-@pytest.mark.parametrize("name", _families(["gpt2", "llama", "bert", "t5", "bart"]))
-def test_the_loss_chunked_in_vocabulary_slices_trains_like_torch(name):
-    """chunk-lm-head-loss recognizes the torch builder's LogSoftmax chain: forced to
-    narrow slices on the suite's vocabulary of 1000, every family here trains like torch
-    (causal, masked-LM with a biased head, seq2seq heads, BART's ``final_logits_bias``
-    added to the batch x sequence logits; the logits returned)."""
-    from ortpass.passes import DEFAULT_PIPELINE
-
-    pipeline = DEFAULT_PIPELINE.replace("chunk-lm-head-loss,", "chunk-lm-head-loss(chunk=256),")
-    wrapped = train_side_by_side(_model(name), loss_from_labels, _batches(FAMILIES[name].labels), builder="torch", pipeline=pipeline)
-    stats = wrapped.transitions.current_graph.report["chunk-lm-head-loss"].stats
-    assert stats["counts"].get("losses chunked") == 1, stats
