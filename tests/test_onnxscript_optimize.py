@@ -216,3 +216,38 @@ def test_a_model_optimized_with_the_pass_is_what_the_gradients_of_the_original_a
     assert got.gradients.keys() == expected.gradients.keys()
     for name, gradient in expected.gradients.items():
         np.testing.assert_allclose(got.gradients[name], gradient, rtol=1e-4, atol=1e-6)
+
+
+def _decoder_and_a_transpose_pair() -> ir.Model:
+    """``GPTDecoder``'s export and a second output, ``Transpose(Transpose(x))``, which
+    onnxscript's rule ``TransposeTranspose`` rewrites into ``Identity(x)``."""
+    model = _decoder()[2]
+    x = ir.val("pair_x", ir.DataType.FLOAT, ir.Shape([2, 8]))
+    model.graph.inputs.append(x)
+    first = ir.node("Transpose", [x], attributes={"perm": [1, 0]})
+    second = ir.node("Transpose", [first.outputs[0]], attributes={"perm": [1, 0]})
+    model.graph.extend([first, second])
+    second.outputs[0].name = "pair_y"
+    model.graph.outputs.append(second.outputs[0])
+    return model
+
+
+def test_a_skipped_rule_is_all_that_changes_from_onnxscripts_optimize_ir():
+    """``optimize_keeping_training_values(skipped_rules=...)`` writes out ``optimize_ir``'s
+    sequence of passes with rules left out (the torch builder skips the slow SlicesSplit,
+    which rewrote nothing on the suite's joint graphs): without a rule that rewrites nothing,
+    the graph is ``optimize_ir``'s to the byte; without one that rewrites, its nodes stay."""
+    from ortpass.ops.optimizer import optimize_keeping_training_values
+
+    def optimized(model, **options):
+        optimize_keeping_training_values(model, list(model.graph.initializers), **options)
+        return ir.to_proto(model).SerializeToString(), model
+
+    plain, _ = optimized(_decoder()[2])
+    assert optimized(_decoder()[2], skipped_rules=["SlicesSplit"])[0] == plain
+    _, rewritten = optimized(_decoder_and_a_transpose_pair())
+    _, kept = optimized(_decoder_and_a_transpose_pair(), skipped_rules=["TransposeTranspose"])
+    transposes = lambda model: sum(node.op_type == "Transpose" for node in model.graph)  # noqa: E731
+    assert transposes(kept) == transposes(rewritten) + 2
+    with pytest.raises(ValueError, match="no default rewrite rule of onnxscript is named \\['SliceSplit'\\]"):
+        optimize_keeping_training_values(_decoder()[2], [], skipped_rules=["SliceSplit"])

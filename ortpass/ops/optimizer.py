@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import onnx_ir as ir
@@ -35,9 +35,12 @@ class Kept:
     dropouts: int
 
 
-def optimize_keeping_training_values(model: ir.Model, params: Sequence[str], **options: Any) -> Kept:
+def optimize_keeping_training_values(
+    model: ir.Model, params: Sequence[str], *, skipped_rules: Collection[str] = (), **options: Any
+) -> Kept:
     """Run onnxscript's optimizer on ``model`` in place (``options`` go to ``optimize_ir``),
-    ``params`` and the Dropouts kept; the model keeps its parameters if it raises."""
+    ``params`` and the Dropouts kept; the model keeps its parameters if it raises.  The
+    default rewrite rules named in ``skipped_rules`` are left out (:func:`_optimize_without`)."""
     import onnxscript.optimizer  # the optimizer and its rewriter load only when asked for
 
     graph = model.graph
@@ -45,11 +48,54 @@ def optimize_keeping_training_values(model: ir.Model, params: Sequence[str], **o
     hidden = _hide(graph, params)
     seeded = _seed_dropouts(graph)
     try:
-        onnxscript.optimizer.optimize_ir(model, **options)
+        if skipped_rules:
+            _optimize_without(model, skipped_rules, **options)
+        else:
+            onnxscript.optimizer.optimize_ir(model, **options)
     finally:
         _unseed(seeded)
         _restore(graph, hidden, order)
     return Kept(len(hidden), len(seeded))
+
+
+def _optimize_without(
+    model: ir.Model,
+    skipped_rules: Collection[str],
+    *,
+    num_iterations: int = 2,
+    onnx_shape_inference: bool = True,
+    input_size_limit: int | None = None,
+    output_size_limit: int | None = None,
+) -> None:
+    """``onnxscript.optimizer.optimize_ir``'s sequence of passes (onnxscript 0.7), its default
+    rewrite rules less ``skipped_rules`` (by name).  ``optimize_ir`` takes no rules, hence
+    the sequence written out here; ``tests/test_onnxscript_optimize.py`` checks it still
+    writes what ``optimize_ir`` does where the skipped rules rewrite nothing."""
+    from onnx_ir.passes import common
+    from onnxscript import rewriter
+    from onnxscript.optimizer import _constant_folding
+
+    unknown = set(skipped_rules) - {rule.name for rule in rewriter._DEFAULT_REWRITE_RULES}
+    if unknown:
+        raise ValueError(f"no default rewrite rule of onnxscript is named {sorted(unknown)}")
+    rules = [rule for rule in rewriter._DEFAULT_REWRITE_RULES if rule.name not in skipped_rules]
+    fold = _constant_folding.FoldConstantsPass(
+        shape_inference=onnx_shape_inference,
+        input_size_limit=_constant_folding.DEFAULT_CONSTANT_FOLD_INPUT_SIZE_LIMIT if input_size_limit is None else input_size_limit,
+        output_size_limit=_constant_folding.DEFAULT_CONSTANT_FOLD_OUTPUT_SIZE_LIMIT if output_size_limit is None else output_size_limit,
+    )  # fmt: skip
+    cleanup = [common.RemoveUnusedNodesPass(), common.RemoveUnusedFunctionsPass(), common.RemoveUnusedOpsetsPass()]
+    ir.passes.Sequential(
+        common.InlinePass(),
+        ir.passes.PassManager([fold, rewriter.RewritePass(rules), *cleanup], steps=num_iterations, early_stop=True),
+        common.RemoveUnusedNodesPass(),
+        common.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0),
+        common.LiftSubgraphInitializersToMainGraphPass(),
+        common.DeduplicateInitializersPass(),
+        common.CommonSubexpressionEliminationPass(),
+        common.OutputFixPass(),
+        common.NameFixPass(),
+    )(model)
 
 
 @dataclasses.dataclass
