@@ -108,11 +108,14 @@ class LayerBoundaries:
 
 def _is_norm(node: ir.Node) -> bool:
     """A LayerNorm op, or the first node of an RMSNorm written out in ONNX ops (torch's
-    autograd differentiates it so: ``x * rsqrt(mean(x ** 2) + eps) * w``), ``Pow(x, 2)``
-    read by a ``ReduceMean``; its input 0 is the residual stream, as a LayerNorm's."""
+    autograd differentiates it so: ``x * rsqrt(mean(x ** 2) + eps) * w``), the square
+    read by a ``ReduceMean``: ``Pow(x, 2)``, or ``Mul(x, x)`` as the torch builder writes
+    it (:mod:`ortpass.training.joint_decompositions`); its input 0 is the residual stream,
+    as a LayerNorm's."""
     if node.op_type in LAYER_NORM_OPS:
         return True
-    return node.op_type == "Pow" and any(use.node.op_type == "ReduceMean" for use in node.outputs[0].uses())
+    square = node.op_type == "Pow" or (node.op_type == "Mul" and len(node.inputs) == 2 and node.inputs[0] is node.inputs[1])
+    return square and any(use.node.op_type == "ReduceMean" for use in node.outputs[0].uses())
 
 
 def _is_attention(node: ir.Node) -> bool:
