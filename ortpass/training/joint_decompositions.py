@@ -34,9 +34,11 @@ One more is written right but slowly, and gets a cheaper decomposition:
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Iterator
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ortpass.training.conv_gradient import avg_pool_backward, convolution_backward
 
@@ -73,37 +75,61 @@ def pow_by_multiplying(x: torch.Tensor, exponent):
 
 def slice_backward(grad: torch.Tensor, input_sizes, dim: int, start, end, step: int):
     """The gradient of ``input.slice(dim, start, end, step)``: zeros of ``input_sizes`` with
-    ``grad`` at the slice.  With ``step`` 1 that is ``grad`` between zeros along ``dim``;
-    another step is left to torch's decomposition (``NotImplemented``).  Bounds as
-    ``aten.slice`` takes them: negative ones count from the end, both clamped to the size."""
+    ``grad`` at the slice.  With ``step`` 1 that is ``grad`` between zeros along ``dim``.
+    Bounds as ``aten.slice`` takes them: negative ones count from the end, both clamped to
+    the size.  Left to torch's decomposition (``NotImplemented``): another step, and bounds
+    whose clamping depends on a symbolic size (the zeros' sizes would be ``Min``/``Max``
+    expressions, which ortpass's memory planning cannot evaluate at the export's dims)."""
     if step != 1:
         return NotImplemented
     dim = dim % len(input_sizes)
     size = input_sizes[dim]
-    start = _clamped(start, size)
-    end = torch.sym_max(_clamped(end, size), start)
+    start, end = _clamped(start, size), _clamped(end, size)
+    if start is None or end is None:
+        return NotImplemented
+    end = _at_least(end, start)
+    if end is None:
+        return NotImplemented
     # Zeros concatenated on either side, not aten.constant_pad_nd: tracing that one guards
     # on the other dims' sizes (a symbolic batch became static).
     parts = [_zeros_like_along(grad, dim, start), grad, _zeros_like_along(grad, dim, size - end)]
     return torch.cat([part for part in parts if part is not None], dim)
 
 
+# torch's bound for a slice to the end of a dim (``x[a:]``): sys.maxsize.
+_END_OF_DIM = sys.maxsize
+
+
+def _clamped(bound, size):
+    """A slice bound within ``[0, size]``, a negative one counted from the end; None where
+    that depends on a symbolic ``size``.  A symbolic bound (the forward's own clamped end,
+    ``Min(9223372036854775807, s0)``) only where it is known to be the size."""
+    if not isinstance(bound, int):
+        return size if statically_known_true(bound == size) else None
+    if bound >= _END_OF_DIM:
+        return size
+    if bound < 0:
+        bound = bound + size
+        return _at_least(bound, 0)
+    if statically_known_true(bound <= size):
+        return bound
+    return size if statically_known_true(bound >= size) else None
+
+
+def _at_least(value, lower):
+    """``max(value, lower)`` where it is known without a guard, else None."""
+    if statically_known_true(value >= lower):
+        return value
+    return lower if statically_known_true(value <= lower) else None
+
+
 def _zeros_like_along(grad: torch.Tensor, dim: int, length):
     """Zeros shaped as ``grad`` but ``length`` along ``dim``; None where ``length`` is 0."""
-    if isinstance(length, int) and length == 0:
+    if statically_known_true(length == 0):
         return None
     shape = list(grad.shape)
     shape[dim] = length
     return grad.new_zeros(shape)
-
-
-def _clamped(bound, size):
-    """A slice bound within ``[0, size]``: a negative one counted from the end.  ``bound``
-    is a Python int (the model's index); ``size`` may be symbolic, hence sym_min/max."""
-    if bound < 0:
-        bound = bound + size
-        return torch.sym_max(bound, 0)
-    return torch.sym_min(bound, size)
 
 
 @contextlib.contextmanager
