@@ -100,6 +100,32 @@ def test_layernorm_rule_on_a_hand_built_graph():
 
 
 
+@pytest.mark.parametrize("square", ["Pow", "Mul", "Mul of two values"])
+def test_an_rmsnorm_written_out_is_a_boundary_by_its_square_read_by_a_reduce_mean(square):
+    """torch's RMSNorm, ``x * (mean(x ** 2) + eps) ** -0.5``, starts a layer when its square
+    is ``Pow(x, 2)`` (torch.onnx's) or ``Mul(x, x)`` (the torch builder's); a ``Mul`` of
+    two values read by a ``ReduceMean`` is no square, and no boundary."""
+    other = "x" if square != "Mul of two values" else "y_in"
+    first = (oh.make_node("Pow", ["x", "two"], ["sq"], name="norm_square") if square == "Pow"
+             else oh.make_node("Mul", ["x", other], ["sq"], name="norm_square"))  # fmt: skip
+    nodes = [
+        first,
+        oh.make_node("ReduceMean", ["sq", "axes"], ["ms"], name="norm_mean", keepdims=1),
+        oh.make_node("Add", ["ms", "eps"], ["ms_eps"], name="norm_eps"),
+        oh.make_node("Pow", ["ms_eps", "minus_half"], ["rstd"], name="norm_rstd"),
+        oh.make_node("Mul", ["x", "rstd"], ["normed"], name="norm_out"),
+        oh.make_node("Softmax", ["normed"], ["attn"], name="attn"),
+        oh.make_node("Add", ["x", "attn"], ["y"], name="residual"),
+    ]
+    constants = [oh.make_tensor("two", F32, [], [2.0]), oh.make_tensor("eps", F32, [], [1e-6]),
+                 oh.make_tensor("minus_half", F32, [], [-0.5]), oh.make_tensor("axes", onnx.TensorProto.INT64, [1], [-1])]  # fmt: skip
+    inputs = [oh.make_tensor_value_info("x", F32, [2, 4]), oh.make_tensor_value_info("y_in", F32, [2, 4])]
+    graph = oh.make_graph(nodes, "g", inputs, [oh.make_tensor_value_info("y", F32, [2, 4])], constants)
+    model = ir.from_proto(oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18)]))
+    boundaries = find_layer_boundaries(list(model.graph))
+    expected = [] if square == "Mul of two values" else ["norm_square"]
+    assert [n.name for n in boundaries.nodes] == expected
+
 def _post_ln_block(prefix, x, with_attention):
     """Post-LN block (BERT): (Softmax or Relu) -> residual Add -> LayerNorm; returns nodes
     and the block output (the LayerNorm's)."""
