@@ -92,6 +92,12 @@ def test_other_exponents_are_left_to_torch(exponent):
     assert pow_by_multiplying(torch.ones(2), exponent) is NotImplemented
 
 
+def test_an_integer_tensor_is_left_to_torch():
+    """``torch.pow(int_tensor, 2.0)`` is a float tensor; ``x * x`` would stay integer."""
+    assert torch.pow(torch.tensor([2]), 2.0).is_floating_point()
+    assert pow_by_multiplying(torch.tensor([2]), 2.0) is NotImplemented
+
+
 class _Shifted(nn.Module):
     """Slices along the sequence, a symbolic dim: ``h[:, 1:]`` and ``h[:, :-1]`` (a causal
     LM's shift)."""
