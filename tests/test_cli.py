@@ -249,8 +249,10 @@ def test_the_installed_command_with_a_plugin_pass_from_an_entry_point(model_file
     assert refused.returncode == 2 and "refusing to overwrite" in refused.stderr
 
 
-def test_report_on_a_real_training_graph_prints_plans_and_plots_without_touching_it(tmp_path, capsys):
+def test_report_on_a_real_training_graph_prints_plans_and_plots_without_touching_it(tmp_path, capsys, monkeypatch):
     import torch
+
+    monkeypatch.setenv("COLUMNS", "100")  # the plan table's width: pytest-xdist's workers set 80
 
     from ortpass.export import export
     from ortpass.testing.models import GPTDecoder
