@@ -230,21 +230,37 @@ def _refusing_autograd_functions() -> Iterator[list[str]]:
 def _math_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """``scaled_dot_product_attention`` as matmul, softmax and dropout: what the joint trace
     sees instead of the fused kernel, whose decomposition gives an output strided in a way
-    its meta kernel does not, and a later ``.view`` then fails (torch 2.14, GPT-2)."""
+    its meta kernel does not, and a later ``.view`` then fails (torch 2.14, GPT-2).
+
+    The mask is added to the scores as a bias at the mask's own size (0 / -inf for a
+    boolean or causal one), not filled into them: the same scores, and the backward needs
+    nothing for it (softmax's gradient is already 0 where its output is), where
+    ``masked_fill`` costs a ``Where`` over batch x heads x seq x seq in the backward too.
+    A query that may attend to no key gets 0 and no gradient, as from torch's SDPA (its
+    safe softmax), not the NaN of a softmax over -inf only."""
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     if enable_gqa and key.shape[-3] != query.shape[-3]:
         repeat = query.shape[-3] // key.shape[-3]
         key, value = key.repeat_interleave(repeat, dim=-3), value.repeat_interleave(repeat, dim=-3)
     scores = torch.matmul(query, key.transpose(-2, -1)) * scale
-    if is_causal:
+    if is_causal:  # every query sees at least the first key
         causal = torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool, device=query.device).tril()
-        scores = scores.masked_fill(~causal, float("-inf"))
+        scores = scores + _bias(causal, scores.dtype)
+    attends = None
     if attn_mask is not None:
-        scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
+        bias = _bias(attn_mask, scores.dtype) if attn_mask.dtype == torch.bool else attn_mask
+        attends = (bias != float("-inf")).any(dim=-1, keepdim=True)
+        scores = scores + bias.masked_fill(~attends, 0.0)
     weights = torch.softmax(scores, dim=-1)
     if dropout_p > 0.0:
         weights = torch.nn.functional.dropout(weights, p=dropout_p)
-    return torch.matmul(weights, value)
+    output = torch.matmul(weights, value)
+    return output if attends is None else output * attends
+
+
+def _bias(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where ``keep`` holds, -inf elsewhere: a boolean attention mask as one to add."""
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, float("-inf"))
 
 
 @contextlib.contextmanager
