@@ -635,6 +635,53 @@ def test_isnan_is_not_recomputable_when_removed_from_the_table(monkeypatch):
     assert "IsNaN+:1:-1" not in {p.plan_string for p in report.plans}
 
 
+def mask_bias_softmax_model():
+    """The torch builder's attention with transformers' padding mask: the mask gathered per
+    key (GatherND), queries that may attend to no key found by a ReduceMax, the mask added
+    to the scores as a 0 / -inf bias; backward reads the probabilities only."""
+    zero, neg = oh.make_tensor("zero", F32, [], [0.0]), oh.make_tensor("neg", F32, [], [float("-inf")])
+    forward = [
+        oh.make_node("Cast", ["attention_mask"], ["m"], name="to_bool", to=BOOL),
+        oh.make_node("GatherND", ["m", "idx"], ["keep"], name="gather_mask"),
+        oh.make_node("Cast", ["keep"], ["keep_f"], name="to_float", to=F32),
+        oh.make_node("ReduceMax", ["keep_f"], ["any_f"], name="any", axes=[-1], keepdims=1),
+        oh.make_node("Cast", ["any_f"], ["attends"], name="any_bool", to=BOOL),
+        oh.make_node("Not", ["attends"], ["none"], name="none"),
+        oh.make_node("Or", ["keep", "none"], ["kept"], name="kept"),
+        oh.make_node("Where", ["kept", "zero", "neg"], ["bias"], name="bias"),
+        oh.make_node("Add", ["s", "bias"], ["masked"], name="add_bias"),
+        oh.make_node("Softmax", ["masked"], ["p"], name="softmax", axis=-1),
+    ]
+    mask_shape, scores = ["batch", 1, 1, 32], ["batch", 4, 32, 32]
+    value_infos = [_vi("m", BOOL, ["batch", 32]), _vi("keep", BOOL, mask_shape), _vi("keep_f", F32, mask_shape),
+                   _vi("any_f", F32, ["batch", 1, 1, 1]), _vi("attends", BOOL, ["batch", 1, 1, 1]),
+                   _vi("none", BOOL, ["batch", 1, 1, 1]), _vi("kept", BOOL, mask_shape), _vi("bias", F32, mask_shape),
+                   _vi("masked", F32, scores), _vi("p", F32, scores)]  # fmt: skip
+    inputs = [_vi("s", F32, scores), _vi("attention_mask", I64, ["batch", 32]), _vi("idx", I64, ["batch", 1, 1, 32, 2])]
+    return training_graph(forward, [bw("softmax_grad", "p")], inputs, value_infos, [zero, neg])
+
+
+def test_the_probabilities_are_recomputed_through_a_gathered_mask_bias():
+    report = analyse(mask_bias_softmax_model())
+    (plan,) = [p for p in report.plans if "Softmax" in p.plan_string]
+    assert {"GatherND", "ReduceMax", "Where", "Softmax"} <= set(plan.plan_string.split(":")[0].split("+"))
+    (occurrence,) = plan.occurrences
+    # the gather's indices are read as the forward left them, as Gather's are
+    assert sorted(v.name for v in occurrence.boundary) == ["attention_mask", "idx", "neg", "s", "zero"]
+
+
+@pytest.mark.parametrize("op_type", ["GatherND", "ReduceMax"])
+def test_without_the_masks_ops_in_the_table_the_probabilities_stay_stashed(monkeypatch, op_type):
+    from ortpass.analysis import recomputable_ops
+
+    table = {key: entry for key, entry in recomputable_ops._TABLE.items() if key != ("", op_type)}
+    monkeypatch.setattr(recomputable_ops, "_TABLE", table)
+    report = analyse(mask_bias_softmax_model())
+    assert not [p for p in report.plans if "Softmax" in p.plan_string]
+    (skipped,) = [s for s in report.skipped if s.entry.name == "softmax"]
+    assert f"({op_type}) is not recomputable" in skipped.reason
+
+
 def simplified_layer_norm_model(inv_std_shape):
     """RMSNorm as ORT's fusion leaves it; backward reads Y's input and InvStdDev."""
     scale = oh.make_tensor("scale", F32, [64], np.ones(64, np.float32))

@@ -28,6 +28,10 @@ Differences from ORT 1.19.2's table, on purpose:
   attention softmax with ``Where(IsNaN(p), 0, p)``;
 - And, Or, Not, Greater, GreaterOrEqual and LessOrEqual are accepted: element-wise on
   bools and cheap, and the attention masks transformers builds are made of them;
+- GatherND and ReduceMax are accepted: the torch builder adds an attention mask to the
+  scores as a bias that backward does not read, made from transformers'
+  ``attention_mask[batch, key]`` (a GatherND) with a ReduceMax over the keys; recomputing
+  the probabilities rebuilds it, at the mask's size;
 - ``com.microsoft::PythonOp`` is recomputable only when its ``func_name`` is registered with
   :func:`register_recomputable_function` (FlashAttention-like functions are registered
   here; ORT hard-codes the same list).  Its clone must replay the forward's randomness,
@@ -334,6 +338,12 @@ def _register_defaults() -> None:
         ("LessOrEqual", (12, 16), basic, ()),
         ("Less", (1, 7, 9, 13), basic, ()),
         ("Expand", (8, 13), basic, (1,)),  # the shape
+        # Not in ORT's table: the torch builder adds attention masks to the scores as a
+        # bias, which backward does not read, so recomputing the probabilities rebuilds it:
+        # from transformers' attention_mask[batch, key] (a GatherND), with a ReduceMax over
+        # the keys for queries that may attend to none.  Both are of the mask's size.
+        ("GatherND", (11, 12, 13), basic, (1,)),  # the indices, as Gather's
+        ("ReduceMax", (1, 11, 12, 13, 18, 20), basic, (1,)),  # the axes
         ("Gather", (1, 11, 13), basic, (1,)),  # the indices
         ("Gelu", (20,), basic, ()),
         ("Range", (11,), basic, (0, 1, 2)),  # scalars
