@@ -248,9 +248,13 @@ def _math_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
         scores = scores + _bias(causal, scores.dtype)
     attends = None
     if attn_mask is not None:
-        bias = _bias(attn_mask, scores.dtype) if attn_mask.dtype == torch.bool else attn_mask
-        attends = (bias != float("-inf")).any(dim=-1, keepdim=True)
-        scores = scores + bias.masked_fill(~attends, 0.0)
+        # Few nodes on purpose: recompute rebuilds this bias for each layer's probabilities.
+        keep = attn_mask if attn_mask.dtype == torch.bool else attn_mask != float("-inf")
+        attends = keep.any(dim=-1, keepdim=True)
+        if attn_mask.dtype == torch.bool:
+            scores = scores + _bias(keep | ~attends, scores.dtype)
+        else:
+            scores = scores + attn_mask.masked_fill(~attends, 0.0)
     weights = torch.softmax(scores, dim=-1)
     if dropout_p > 0.0:
         weights = torch.nn.functional.dropout(weights, p=dropout_p)
@@ -260,7 +264,7 @@ def _math_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
 
 def _bias(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """0 where ``keep`` holds, -inf elsewhere: a boolean attention mask as one to add."""
-    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, float("-inf"))
+    return torch.zeros((), dtype=dtype, device=keep.device).where(keep, float("-inf"))
 
 
 @contextlib.contextmanager
