@@ -338,10 +338,7 @@ def _register_defaults() -> None:
         ("LessOrEqual", (12, 16), basic, ()),
         ("Less", (1, 7, 9, 13), basic, ()),
         ("Expand", (8, 13), basic, (1,)),  # the shape
-        # Not in ORT's table: the torch builder adds attention masks to the scores as a
-        # bias, which backward does not read, so recomputing the probabilities rebuilds it:
-        # from transformers' attention_mask[batch, key] (a GatherND), with a ReduceMax over
-        # the keys for queries that may attend to none.  Both are of the mask's size.
+        # Not in ORT's table: the torch builder's attention mask bias (module docstring).
         ("GatherND", (11, 12, 13), basic, (1,)),  # the indices, as Gather's
         ("ReduceMax", (1, 11, 12, 13, 18, 20), basic, (1,)),  # the axes
         ("Gather", (1, 11, 13), basic, (1,)),  # the indices
