@@ -95,6 +95,21 @@ def test_nothing_is_copied_where_no_copy_lowers_the_peak():
     assert ir.to_proto(result.model).SerializeToString() == before
 
 
+def test_a_recomputation_longer_than_the_chain_limit_is_not_copied_and_the_log_says_so(monkeypatch, caplog):
+    from ortpass.passes import recompute_again_late
+
+    _, _, model = _decoder_graph()
+    recomputed = ortpass.pipeline(RECOMPUTE, assume=["training-graph"])(model).model
+    monkeypatch.setattr(recompute_again_late, "MAX_CHAIN", 1)  # every copy takes more nodes
+    with caplog.at_level("DEBUG", logger=recompute_again_late.__name__):
+        result = ortpass.pipeline("recompute-again-late", assume=["training-graph"])(recomputed)
+    copies = [n for n in result.model.graph if n.metadata_props.get(CREATED_BY_KEY) == "recompute-again-late"]
+    assert not any(n.op_type == "Softmax" for n in copies)  # the probabilities take several nodes
+    counts = result.report["recompute-again-late"].stats.get("counts", {})
+    assert counts.get("nodes copied", 0) == counts.get("values recomputed again", 0)  # one node each
+    assert "longer than MAX_CHAIN (1 nodes)" in caplog.text
+
+
 def test_a_budget_is_planned_on_the_graph_as_the_installed_runtime_runs_it():
     """On stock onnxruntime a session makes recomputed Dropouts read the forward masks
     (``masks_read_where_redraws_differ``); the budget planner and this pass judge that

@@ -682,6 +682,46 @@ def test_without_the_masks_ops_in_the_table_the_probabilities_stay_stashed(monke
     assert f"({op_type}) is not recomputable" in skipped.reason
 
 
+def rotary_model():
+    """A rotary embedding as the torch builder writes it: ``rotate_half`` is a Concat of the
+    query's negated second half and its first; backward reads the rotated query only."""
+    bounds = [oh.make_tensor(n, I64, [1], [v]) for n, v in (("zero_i", 0), ("half", 8), ("end", 16), ("last", -1))]
+    forward = [
+        oh.make_node("Slice", ["q", "zero_i", "half", "last"], ["q1"], name="first_half"),
+        oh.make_node("Slice", ["q", "half", "end", "last"], ["q2"], name="second_half"),
+        oh.make_node("Neg", ["q2"], ["neg_q2"], name="neg"),
+        oh.make_node("Concat", ["neg_q2", "q1"], ["rotated"], name="rotate_half", axis=-1),
+        oh.make_node("Mul", ["q", "cos"], ["q_cos"], name="mul_cos"),
+        oh.make_node("Mul", ["rotated", "sin"], ["rotated_sin"], name="mul_sin"),
+        oh.make_node("Add", ["q_cos", "rotated_sin"], ["q_embed"], name="add_rotary"),
+    ]
+    full, half = ["batch", 4, 32, 16], ["batch", 4, 32, 8]
+    value_infos = [_vi("q1", F32, half), _vi("q2", F32, half), _vi("neg_q2", F32, half), _vi("rotated", F32, full),
+                   _vi("q_cos", F32, full), _vi("rotated_sin", F32, full), _vi("q_embed", F32, full)]  # fmt: skip
+    inputs = [_vi("q", F32, full), _vi("cos", F32, [32, 16]), _vi("sin", F32, [32, 16])]
+    return training_graph(forward, [bw("matmul_grad", "q_embed")], inputs, value_infos, bounds)
+
+
+def test_the_rotated_query_is_recomputed_through_rotate_halfs_concat():
+    report = analyse(rotary_model())
+    (plan,) = [p for p in report.plans if "Concat" in p.plan_string]
+    assert set(plan.plan_string.split(":")[0].rstrip("+").split("+")) == {"Slice", "Neg", "Concat", "Mul", "Add"}
+    assert plan.saving_bytes == 8 * 4 * 32 * 16 * 4
+    (occurrence,) = plan.occurrences
+    assert {"q", "cos", "sin"} <= {v.name for v in occurrence.boundary}
+
+
+def test_without_concat_in_the_table_the_rotated_query_stays_stashed(monkeypatch):
+    from ortpass.analysis import recomputable_ops
+
+    table = {key: entry for key, entry in recomputable_ops._TABLE.items() if key != ("", "Concat")}
+    monkeypatch.setattr(recomputable_ops, "_TABLE", table)
+    report = analyse(rotary_model())
+    assert not [p for p in report.plans if p.plan_string.startswith("Add")]
+    (skipped,) = [s for s in report.skipped if s.entry.name == "add_rotary"]
+    assert "(Concat) is not recomputable" in skipped.reason
+
+
 def simplified_layer_norm_model(inv_std_shape):
     """RMSNorm as ORT's fusion leaves it; backward reads Y's input and InvStdDev."""
     scale = oh.make_tensor("scale", F32, [64], np.ones(64, np.float32))

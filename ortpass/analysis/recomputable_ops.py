@@ -29,9 +29,10 @@ Differences from ORT 1.19.2's table, on purpose:
 - And, Or, Not, Greater, GreaterOrEqual and LessOrEqual are accepted: element-wise on
   bools and cheap, and the attention masks transformers builds are made of them;
 - GatherND and ReduceMax are accepted: the torch builder adds an attention mask to the
-  scores as a bias that backward does not read, made from transformers'
-  ``attention_mask[batch, key]`` (a GatherND) with a ReduceMax over the keys; recomputing
-  the probabilities rebuilds it, at the mask's size;
+  scores as a bias backward does not read, made from transformers' ``attention_mask[batch,
+  key]`` (a GatherND) with a ReduceMax over the keys; recomputing the probabilities rebuilds it;
+- Concat is accepted: ORT's table has ConcatTraining, which ORT's builder makes of every
+  Concat, and the torch builder keeps Concat (a rotary embedding's ``rotate_half``);
 - ``com.microsoft::PythonOp`` is recomputable only when its ``func_name`` is registered with
   :func:`register_recomputable_function` (FlashAttention-like functions are registered
   here; ORT hard-codes the same list).  Its clone must replay the forward's randomness,
@@ -75,7 +76,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
 
 
 class ProbeLevel:
@@ -351,6 +351,7 @@ def _register_defaults() -> None:
         ("Unsqueeze", (1, 11, 13, 21), basic, (1,)),  # the axes
         ("Tile", (1, 6, 13), basic, (1, 2)),  # repeats (and opset-1 axis)
         ("Transpose", (1, 13, 21), basic, ()),
+        ("Concat", (4, 11, 13), basic, ()),  # ConcatTraining's (module docstring)
         ("Trilu", (14,), basic, (1,)),  # k
         ("Where", (9, 16), basic, ()),
         ("Flatten", (1, 9, 11, 13, 21), basic, ()),

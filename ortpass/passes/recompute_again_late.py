@@ -219,7 +219,12 @@ def _late_copy(root, read_late, peak, ort_position, graph_position, buffers, las
         node = stack.pop()
         if node in chain:
             continue
-        if not _copyable(node) or len(chain) >= MAX_CHAIN:
+        if not _copyable(node):
+            return None
+        if len(chain) >= MAX_CHAIN:
+            # Said, not silent: a longer chain is a peak this pass could have lowered.
+            logger.debug("%s: not computed again, its recomputation is longer than MAX_CHAIN (%d nodes)",
+                         root.name, MAX_CHAIN)
             return None
         chain.add(node)
         for source in node.inputs:
