@@ -717,7 +717,7 @@ def test_without_concat_in_the_table_the_rotated_query_stays_stashed(monkeypatch
     table = {key: entry for key, entry in recomputable_ops._TABLE.items() if key != ("", "Concat")}
     monkeypatch.setattr(recomputable_ops, "_TABLE", table)
     report = analyse(rotary_model())
-    assert not [p for p in report.plans if p.plan_string.startswith("Add")]
+    assert not [p for p in report.plans if "Add" in p.plan_string]  # plans list ops in graph order
     (skipped,) = [s for s in report.skipped if s.entry.name == "add_rotary"]
     assert "(Concat) is not recomputable" in skipped.reason
 
