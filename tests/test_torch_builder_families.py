@@ -22,7 +22,7 @@ transformers = pytest.importorskip("transformers")
 
 from test_module_conformance import train_side_by_side  # noqa: E402
 from test_module_families import _batches, _model, loss_from_labels, loss_from_logits  # noqa: E402
-from test_real_models import FAMILIES  # noqa: E402
+from test_real_models import FAMILIES, LAYERS  # noqa: E402
 
 from ortpass.runtime.module import ORTModule  # noqa: E402
 from ortpass.training.backend import has_training_ops  # noqa: E402
@@ -51,6 +51,9 @@ def _recomputed_nodes(wrapped: ORTModule) -> int:
 #: ``final_logits_bias`` added to the batch x sequence logits.  The other families run the
 #: default pipeline as it is, where the pass finds nothing to chunk.
 CHUNKED = ("gpt2", "llama", "bert", "t5", "bart")
+#: Families with a SiLU-gated MLP (SwiGLU) of two projections, where recompute-silu-sigmoid
+#: fires once a layer (Phi-3's one fused projection has its gradients meet in a Concat).
+SWIGLU = ("llama", "mistral", "qwen2")
 
 
 @pytest.mark.parametrize("name", _families(sorted(FAMILIES)))
@@ -66,6 +69,8 @@ def test_shapes_changing_every_step_train_like_torch(name):
     assert _recomputed_nodes(wrapped) > 0
     chunked = wrapped.transitions.current_graph.report["chunk-lm-head-loss"].stats["counts"].get("losses chunked", 0)
     assert chunked == (1 if name in CHUNKED else 0)
+    finished = wrapped.transitions.current_graph.report["recompute-silu-sigmoid"].stats.get("counts", {})
+    assert finished.get("partner gradients finished first", 0) == (LAYERS if name in SWIGLU else 0), finished
 
 
 @pytest.mark.parametrize("name", _families(["gpt2", "llama", "bert", "bart"]))

@@ -14,10 +14,11 @@ from ortpass.passes.pythonop_shape_inference import PythonOpShapeInferencePass
 from ortpass.passes.recompute import RecomputePass
 from ortpass.passes.recompute_again_late import RecomputeAgainLatePass
 from ortpass.passes.recompute_gate_activation import RecomputeGateActivationPass
+from ortpass.passes.recompute_silu_sigmoid import RecomputeSiluSigmoidPass
 from ortpass.passes.replay_dropout_mask import ReplayDropoutMaskPass
 from ortpass.passes.scatter_embedding_gradient import ScatterEmbeddingGradientPass
 
-__all__ = ["CREATED_BY_KEY", "DEFAULT_PIPELINE", "AccumulateGradientsEarlyPass", "BuildTrainingGraphPass", "CheckIndexRangesPass", "ChunkLmHeadLossPass", "FixDropoutSeedPass", "InsertGatherBeforeSceLossPass", "OnnxscriptOptimizePass", "OrderBackwardJoinsPass", "OrtFunctionalPass", "OrtPass", "PythonOpShapeInferencePass", "RecomputeAgainLatePass", "RecomputeGateActivationPass", "RecomputePass", "ReplayDropoutMaskPass", "ScatterEmbeddingGradientPass"]
+__all__ = ["CREATED_BY_KEY", "DEFAULT_PIPELINE", "AccumulateGradientsEarlyPass", "BuildTrainingGraphPass", "CheckIndexRangesPass", "ChunkLmHeadLossPass", "FixDropoutSeedPass", "InsertGatherBeforeSceLossPass", "OnnxscriptOptimizePass", "OrderBackwardJoinsPass", "OrtFunctionalPass", "OrtPass", "PythonOpShapeInferencePass", "RecomputeAgainLatePass", "RecomputeGateActivationPass", "RecomputePass", "RecomputeSiluSigmoidPass", "ReplayDropoutMaskPass", "ScatterEmbeddingGradientPass"]
 
 #: What ``ortpass optimize``, ``ortpass.ORTModule`` and the golden suite run without ``--pipeline``: every built-in pass (the manager
 #: orders them from their declarations), recompute at ORTModule's layer-wise level 1 with
@@ -30,5 +31,5 @@ __all__ = ["CREATED_BY_KEY", "DEFAULT_PIPELINE", "AccumulateGradientsEarlyPass",
 DEFAULT_PIPELINE = (
     "pythonop-shape-inference,insert-gather-before-sce-loss(move_above_projection=True),build-training-graph,"
     "chunk-lm-head-loss,check-index-ranges,accumulate-gradients-early,scatter-embedding-gradient,fix-dropout-seed(level=1),recompute(level=1),"
-    "replay-dropout-mask,recompute-gate-activation,order-backward-joins,recompute-again-late"
+    "replay-dropout-mask,recompute-gate-activation,recompute-silu-sigmoid,order-backward-joins,recompute-again-late"
 )

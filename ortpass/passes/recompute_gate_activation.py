@@ -33,10 +33,9 @@ from typing import Sequence
 
 import onnx_ir as ir
 
-from ortpass.analysis.memory import is_alias_node
+from ortpass.analysis.gated_mlp import feeds, gated_partner, is_gradient_node, late_copy, reads_output_of, same_shape
 from ortpass.analysis.ort_order import leaf_units
 from ortpass.analysis.partition import is_backward
-from ortpass.conventions import CREATED_BY_KEY, RECOMPUTE_OF_KEY, SIDE_KEY
 from ortpass.graph.names import NameAllocator
 from ortpass.infra.base import OrtPass
 from ortpass.infra.registry import register_pass
@@ -44,8 +43,6 @@ from ortpass.infra.registry import register_pass
 __all__ = ["RecomputeGateActivationPass"]
 
 logger = logging.getLogger(__name__)
-
-LATE_SUFFIX = "_late"
 
 
 @register_pass("recompute-gate-activation")
@@ -79,7 +76,7 @@ class RecomputeGateActivationPass(OrtPass):
         moves = [_leaves_to_move(units, position, first=gradient, then=product) for _, gradient, product in copies]
         names = NameAllocator.of_graph(graph)
         for activation, gradient, product in copies:
-            copy = _late_copy(activation, names, self.name)
+            copy = late_copy(activation, names, self.name)
             graph.insert_before(product, copy)
             product.replace_input_with(_index_of(product, activation.outputs[0]), copy.outputs[0])
             self.count("activations copied")
@@ -105,21 +102,9 @@ def _gated_activations(nodes: Sequence[ir.Node]) -> list[tuple[ir.Node, ir.Node]
         op_type = gradient.op_type[: -len("Grad")]
         for reader, _ in source.uses() if source is not None else ():
             if (reader.op_type == op_type and reader.domain == gradient.domain and len(reader.inputs) == 1
-                    and _same_shape(source, reader.outputs[0]) and _is_gated(reader.outputs[0])):
+                    and same_shape(source, reader.outputs[0]) and gated_partner(reader.outputs[0]) is not None):
                 found.append((reader, gradient))
     return found
-
-
-def _is_gated(value: ir.Value) -> bool:
-    """A forward ``Mul`` (or its recompute clone) multiplies ``value`` by another tensor of
-    the same shape: the gate of a gated MLP, not a scale."""
-    for reader, index in value.uses():
-        if reader.op_type != "Mul" or reader.domain != "" or _is_gradient_node(reader):
-            continue
-        other = reader.inputs[1 - index]
-        if other is not None and other is not value and _same_shape(other, value):
-            return True
-    return False
 
 
 def _partner_products(activation: ir.Node, gradient: ir.Node, position: dict[ir.Node, int]) -> list[ir.Node]:
@@ -128,48 +113,9 @@ def _partner_products(activation: ir.Node, gradient: ir.Node, position: dict[ir.
     out = activation.outputs[0]
     products = [
         reader for reader, _ in out.uses()
-        if reader.op_type == "Mul" and reader.domain == "" and _is_gradient_node(reader)
+        if reader.op_type == "Mul" and reader.domain == "" and is_gradient_node(reader)
     ]  # fmt: skip
-    return [p for p in products if not _feeds(p, gradient, position)]
-
-
-def _is_gradient_node(node: ir.Node) -> bool:
-    """Backward, and not a recompute clone of a forward node."""
-    return is_backward(node) and RECOMPUTE_OF_KEY not in node.metadata_props
-
-
-def _feeds(node: ir.Node, target: ir.Node, position: dict[ir.Node, int]) -> bool:
-    """``node``'s outputs reach ``target`` through backward nodes.  The graph is sorted, so
-    only the nodes between the two in graph order need a look."""
-    start = position[node]
-    seen, stack = set(), [target]
-    while stack:
-        current = stack.pop()
-        for value in current.inputs:
-            producer = value.producer() if value is not None else None
-            if producer is node:
-                return True
-            if (producer is not None and producer not in seen and is_backward(producer)
-                    and position.get(producer, -1) > start):  # fmt: skip
-                seen.add(producer)
-                stack.append(producer)
-    return False
-
-
-def _late_copy(activation: ir.Node, names: NameAllocator, created_by: str) -> ir.Node:
-    out = activation.outputs[0]
-    value = ir.Value(name=names.fresh(f"{out.name}{LATE_SUFFIX}"), type=out.type,
-                     shape=out.shape.copy() if out.shape is not None else None)  # fmt: skip
-    return ir.Node(
-        activation.domain,
-        activation.op_type,
-        [activation.inputs[0]],
-        attributes=[ir.Attr(a.name, a.type, a.value) for a in activation.attributes.values()],
-        outputs=[value],
-        version=activation.version,
-        name=names.fresh(f"{activation.name or activation.op_type}{LATE_SUFFIX}"),
-        metadata_props={SIDE_KEY: "backward", RECOMPUTE_OF_KEY: activation.name or "", CREATED_BY_KEY: created_by},
-    )
+    return [p for p in products if not feeds(p, gradient, position)]
 
 
 def _leaves_to_move(
@@ -180,8 +126,8 @@ def _leaves_to_move(
     just before it, they come earlier in graph order and ORT's walk (last leaf first) runs
     ``first``'s leaves before them.  None where they already come first, where ``first``
     feeds no leaf, or where a leaf reads a value produced after the place."""
-    first_units = [u for u in units if _reads_output_of(u, first)]
-    then_units = [u for u in units if _reads_output_of(u, then) and u not in first_units]
+    first_units = [u for u in units if reads_output_of(u, first)]
+    then_units = [u for u in units if reads_output_of(u, then) and u not in first_units]
     if not first_units or not then_units:
         return None, []
     place = min((u[0] for u in first_units), key=position.__getitem__)
@@ -191,27 +137,6 @@ def _leaves_to_move(
            if v is not None and v.producer() not in inside):  # fmt: skip
         return None, []
     return place, late
-
-
-def _reads_output_of(unit: Sequence[ir.Node], node: ir.Node) -> bool:
-    """A member of ``unit`` reads an output of ``node``, directly or through views."""
-    for member in unit:
-        for value in member.inputs:
-            producer = value.producer() if value is not None else None
-            while producer is not None and producer is not node and is_alias_node(producer):
-                value = producer.inputs[0]
-                producer = value.producer() if value is not None else None
-            if producer is node:
-                return True
-    return False
-
-
-def _same_shape(a: ir.Value, b: ir.Value) -> bool:
-    """Equal shapes, every dim known: ints, or symbolic dims of one name."""
-    if a.shape is None or b.shape is None or len(a.shape) != len(b.shape):
-        return False
-    # A symbolic dim equals another of the same name; an unnamed one equals nothing.
-    return all(x == y and (isinstance(x, int) or getattr(x, "value", None) is not None) for x, y in zip(a.shape, b.shape))
 
 
 def _index_of(node: ir.Node, value: ir.Value) -> int:
