@@ -12,36 +12,20 @@ from ortpass.analysis.partition import is_backward
 from ortpass.export import export
 from ortpass.passes import RecomputeGateActivationPass
 from ortpass.runtime import TrainingSession
+from ortpass.testing.models import GatedMLP
 from ortpass.testing.profiling import ort_execution_order
 from ortpass.training import build_training_graph
 
 BATCH, SEQ, HIDDEN, FFN = 2, 8, 16, 32
 
 
-class MLP(torch.nn.Module):
-    """``down(act(gate(x)) * up(x))`` (LLaMA's MLP) or, ungated, ``down(act(gate(x)) * scale)``."""
-
-    def __init__(self, act: str = "silu", gated: bool = True) -> None:
-        super().__init__()
-        self.act = {"silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu}[act]
-        self.gated = gated
-        self.gate = torch.nn.Linear(HIDDEN, FFN, bias=False)
-        self.up = torch.nn.Linear(HIDDEN, FFN, bias=False)
-        self.down = torch.nn.Linear(FFN, HIDDEN, bias=False)
-
-    def forward(self, x, target):
-        partner = self.up(x) if self.gated else 2.0
-        return torch.nn.functional.mse_loss(self.down(self.act(self.gate(x)) * partner), target)
-
-
 def _batch() -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(0)
-    return {name: rng.standard_normal((BATCH, SEQ, HIDDEN)).astype(np.float32) for name in ("x", "target")}
+    return {name: v.numpy() for name, v in GatedMLP(HIDDEN, FFN).example_batch(BATCH, SEQ).items()}
 
 
-def _training(**kwargs) -> tuple[MLP, ir.Model]:
+def _training(**kwargs) -> tuple[GatedMLP, ir.Model]:
     torch.manual_seed(0)
-    module = MLP(**kwargs)
+    module = GatedMLP(hidden=HIDDEN, ffn=FFN, **kwargs)
     args = tuple(torch.from_numpy(v) for v in _batch().values())
     return module, build_training_graph(export(module, args, input_names=["x", "target"]))
 

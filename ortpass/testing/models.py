@@ -14,7 +14,7 @@ import math
 import torch
 from torch import nn
 
-__all__ = ["MLP", "CausalSelfAttention", "TransformerBlock", "GPTDecoder", "BertMLM", "CausalLMLoss", "LowRankAdapter",
+__all__ = ["MLP", "GatedMLP", "CausalSelfAttention", "TransformerBlock", "GPTDecoder", "BertMLM", "CausalLMLoss", "LowRankAdapter",
            "add_low_rank_adapters"]
 
 
@@ -29,6 +29,29 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self.loss(self.fc2(nn.functional.gelu(self.fc1(x))), labels)
+
+
+class GatedMLP(nn.Module):
+    """``down(act(gate(x)) * up(x))`` (LLaMA's MLP with SiLU, Gemma's with GELU) or, ungated,
+    ``down(act(gate(x)) * 2)``; the loss is the mean squared error against ``target``."""
+
+    def __init__(self, hidden: int = 16, ffn: int = 32, act: str = "silu", gated: bool = True) -> None:
+        super().__init__()
+        self.hidden = hidden
+        self.act = {"silu": nn.functional.silu, "gelu": nn.functional.gelu}[act]
+        self.gated = gated
+        self.gate = nn.Linear(hidden, ffn, bias=False)
+        self.up = nn.Linear(hidden, ffn, bias=False)
+        self.down = nn.Linear(ffn, hidden, bias=False)
+
+    def example_batch(self, batch: int, seq: int) -> dict[str, torch.Tensor]:
+        """``x`` and ``target``, batch x seq x hidden, the same for every call."""
+        generator = torch.Generator().manual_seed(0)
+        return {name: torch.randn(batch, seq, self.hidden, generator=generator) for name in ("x", "target")}
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        partner = self.up(x) if self.gated else 2.0
+        return nn.functional.mse_loss(self.down(self.act(self.gate(x)) * partner), target)
 
 
 class CausalSelfAttention(nn.Module):
