@@ -131,6 +131,7 @@ class RecomputeSiluSigmoidPass(OrtPass):
         logger.debug("%s: waits for %s", activation_product.name, ", ".join(r.name for r in readers))
         return True
 
+
 def _gated_silus(nodes: Sequence[ir.Node]) -> list[tuple[ir.Node, ir.Node, ir.Value]]:
     """(``Sigmoid``, the ``Mul`` making ``G * Sigmoid(G)``, the value gating it) for each
     gated SiLU outside the gradient."""
@@ -211,15 +212,12 @@ def _wait_for(value: ir.Value, readers: list[ir.Node], names: NameAllocator) -> 
     # The shape whatever the condition: the Where only carries the dependency.
     same = ir.node("Where", [is_nan.outputs[0], shape.outputs[0], shape.outputs[0]], name=names.fresh(f"{value.name}_shape_after"))
     view = ir.node("Reshape", [value, same.outputs[0]], name=names.fresh(f"{value.name}_after_readers"))
+    # Typed, so that the memory analyses downstream know every value's size.
+    for reduction in nodes:  # the readers share one float type (_one_float_type)
+        reduction.outputs[0].dtype, reduction.outputs[0].shape = readers[0].outputs[0].dtype, ir.Shape([])
     nodes += [is_nan, shape, same, view]
     for node in nodes:
         node.outputs[0].name = names.fresh(f"{node.name}_output")
-    # Typed, so that the memory analyses downstream know every value's size.
-    for node, reader in zip(nodes, readers):
-        node.outputs[0].dtype, node.outputs[0].shape = reader.outputs[0].dtype, ir.Shape([])
-    if len(readers) > 1:
-        nodes[len(readers)].outputs[0].dtype = readers[0].outputs[0].dtype
-        nodes[len(readers)].outputs[0].shape = ir.Shape([])
     is_nan.outputs[0].dtype, is_nan.outputs[0].shape = ir.DataType.BOOL, ir.Shape([])
     rank = ir.Shape([len(value.shape)]) if value.shape is not None else None
     for node in (shape, same):
