@@ -313,6 +313,48 @@ def test_an_expanded_scalar_that_broadcasting_would_not_rebuild_stays():
     assert any(n.op_type == "Expand" for n in model.graph)
 
 
+def test_weight_gradients_read_the_activation_gradient_in_place():
+    """torch's ``mm(permute(x), dY)`` is written ``Gemm(x, dY, transA=1)``, as ORT's builder
+    writes it: no Transpose copies an activation gradient for a weight's gradient."""
+    torch.manual_seed(0)
+    module, x = TwoSiLUBlocks(), torch.randn(4, 8, 16)
+    model = build_training_graph_from_torch(module, (x,), input_names=["x"], dynamic_axes={"x": [0, 1]})
+    gradients = get_training_info(model).gradients
+    for name in ("up1.weight", "down1.weight", "up2.weight", "down2.weight"):
+        producer = next(v for v in model.graph.outputs if v.name == gradients[name]).producer()
+        while producer.op_type in ("Reshape", "Transpose") and producer.inputs[0].producer() is not None:
+            producer = producer.inputs[0].producer()  # a view or the last transpose of the gradient
+        assert producer.op_type == "Gemm" and producer.attributes["transA"].as_int() == 1, (name, producer)
+        assert all(v.producer() is None or v.producer().op_type != "Transpose" for v in producer.inputs), name
+    check_parity(module, (x,), model, input_names=["x"]).assert_ok()
+
+
+def test_a_transpose_read_by_other_ops_or_of_higher_rank_stays():
+    from onnx import TensorProto, helper
+
+    from ortpass.training.joint_onnx import _transposes_read_by_gemm
+
+    graph = helper.make_graph(
+        [helper.make_node("Transpose", ["a"], ["at"], perm=[1, 0]), helper.make_node("MatMul", ["at", "b"], ["y"]),
+         helper.make_node("Relu", ["at"], ["r"]),
+         helper.make_node("Transpose", ["c"], ["ct"], perm=[0, 2, 1]), helper.make_node("MatMul", ["ct", "d"], ["z"]),
+         helper.make_node("Transpose", ["e"], ["et"]), helper.make_node("MatMul", ["b", "et"], ["w"])],
+        "g",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape)
+         for n, shape in (("a", [3, 2]), ("b", [3, 4]), ("c", [2, 3, 2]), ("d", [2, 3, 4]), ("e", [5, 4]))],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("y", "r", "z", "w")],
+        value_info=[helper.make_tensor_value_info(n, TensorProto.FLOAT, shape)
+                    for n, shape in (("at", [2, 3]), ("ct", [2, 2, 3]), ("et", [4, 5]))],
+    )  # fmt: skip
+    model = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+    _transposes_read_by_gemm(model.graph)
+    ops = {n.outputs[0].name: n for n in model.graph}
+    assert ops["y"].op_type == "MatMul"  # its transpose is read by a Relu too: the copy is made anyway
+    assert ops["z"].op_type == "MatMul"  # a batched transpose: no Gemm
+    assert ops["w"].op_type == "Gemm" and ops["w"].attributes["transB"].as_int() == 1  # no perm: [1, 0] for a matrix
+    assert [v.name for v in ops["w"].inputs] == ["b", "e"] and "et" not in ops
+
+
 def test_every_symbolic_dim_is_spelled_in_the_inputs_dims_and_the_step_is_predicted_exactly():
     """torch.export writes a flattened size as ``s85*s95``; the graph spells it over the
     names ``dynamic_axes`` gives (``batch*seq``), so the export record's dims size every

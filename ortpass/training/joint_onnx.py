@@ -57,6 +57,7 @@ def joint_to_onnx(program: torch.export.ExportedProgram, input_names: list[str])
     state = [*program.graph_signature.parameters, *program.graph_signature.buffers]
     optimize_keeping_training_values(model, state, skipped_rules=_SLOW_RULES_THAT_NEVER_FIRE)
     _broadcast_expanded_scalars(model.graph)
+    _transposes_read_by_gemm(model.graph)
     model.ir_version = min(model.ir_version, MAX_ORT_IR_VERSION)
     user_inputs = [v for v in model.graph.inputs if v.name not in model.graph.initializers]
     for value, name in zip(user_inputs, input_names):
@@ -93,6 +94,56 @@ def _broadcast_expanded_scalars(graph: ir.Graph) -> None:
                 reader.replace_input_with(index, fill)
         if not expanded.uses():
             graph.remove(expand, safe=True)
+
+
+def _transposes_read_by_gemm(graph: ir.Graph) -> None:
+    """Let a matrix product read a transposed operand in place, as ORT's builder writes it.
+
+    A weight's gradient in torch's backward is ``mm(permute(x), dY)``, which torch.onnx
+    writes ``MatMul(Transpose(x), dY)``: the Transpose copies the whole activation gradient
+    (batch x seq x ffn, 16 MiB a layer on HF LLaMA at batch 8 x 512) before the product
+    reads it.  ORT's own builder writes ``Gemm(x, dY, transA=1)``, which reads ``x`` as it
+    is.  ORT would fuse the pair into a ``FusedMatMul``, but that node gets a new, higher
+    index, and ORT's default order then runs every weight gradient at the end of the step
+    (``docs/design/torch-builder.md``, so the builder's sessions disable that fusion).
+    Rule: a ``MatMul`` of two 2-D operands of which one or both are ``Transpose(a,
+    perm=[1, 0])`` read by ``MatMul`` nodes only becomes ``Gemm`` with ``transA``/``transB``,
+    in the MatMul's place in the graph; the Transpose goes once nothing reads it.  The same
+    product: Gemm computes ``A' B'`` with the flags, and alpha 1 and no C add nothing.
+    """
+    for matmul in [n for n in graph if n.op_type == "MatMul" and n.domain in ("", "ai.onnx")]:
+        operands, flags = [], {}
+        for value, flag in zip(matmul.inputs, ("transA", "transB")):
+            source = _transposed_matrix(value)
+            operands.append(value if source is None else source)
+            if source is not None:
+                flags[flag] = 1
+        if not flags or not all(_rank(v) == 2 for v in operands):
+            continue
+        transposed = [v for v, source in zip(matmul.inputs, operands) if v is not source]
+        gemm = ir.node("Gemm", operands, flags, name=matmul.name)
+        ir.convenience.replace_nodes_and_values(graph, matmul, [matmul], [gemm], matmul.outputs, gemm.outputs)
+        for value in dict.fromkeys(transposed):  # one Transpose may be both operands
+            if not value.uses():
+                graph.remove(value.producer(), safe=True)
+
+
+def _transposed_matrix(value: ir.Value | None) -> ir.Value | None:
+    """``a`` where ``value`` is ``Transpose(a, perm=[1, 0])`` read by MatMul nodes only."""
+    transpose = value.producer() if value is not None else None
+    if transpose is None or transpose.op_type != "Transpose" or transpose.domain not in ("", "ai.onnx"):
+        return None
+    perm = transpose.attributes.get("perm")
+    # No perm reverses the axes: [1, 0] for a matrix.
+    if (perm is not None and list(perm.as_ints()) != [1, 0]) or _rank(transpose.inputs[0]) != 2 or value.is_graph_output():
+        return None
+    if any(reader.op_type != "MatMul" for reader, _ in value.uses()):
+        return None
+    return transpose.inputs[0]
+
+
+def _rank(value: ir.Value | None) -> int | None:
+    return len(value.shape) if value is not None and value.shape is not None else None
 
 
 def _fully_named(shape: ir.Shape | None) -> bool:
