@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import ortpass
+from ortpass.analysis.ort_order import ort_default_order
 from ortpass.analysis.partition import is_backward
 from ortpass.analysis.step_memory import predict_step_memory
 from ortpass.conventions import CREATED_BY_KEY, RECOMPUTE_OF_KEY, STEP_MEMORY_TARGET_KEY
@@ -69,6 +70,27 @@ def test_the_attention_probabilities_are_computed_again_for_their_gradient_and_t
     assert again.loss == plain.loss
     for name, grad in plain.gradients.items():
         np.testing.assert_array_equal(again.gradients[name], grad, err_msg=name)
+
+
+def test_each_copy_runs_after_the_other_inputs_of_its_first_reader_in_orts_order():
+    """ORT's walk visits a node's inputs from the last in graph order down.  A copy placed
+    right before its reader ran first there, and was held while the reader's other inputs
+    were computed: the gradient chain through the rest of the layer, where a weight's
+    gradient reads the layer input directly (``Gemm(x, dY, transA=1)``).  Placed as early
+    as its inputs allow, each copy runs after them, right before the node that reads it
+    first."""
+    _, _, model = _decoder_graph()
+    result = ortpass.pipeline(AGAIN, assume=["training-graph"])(model)
+    order = ort_default_order(list(result.model.graph))
+    ran_at = {node: i for i, node in enumerate(order)}
+    copies = [n for n in order if n.metadata_props.get(CREATED_BY_KEY) == "recompute-again-late"]
+    first_readers = {copy: min((u for out in copy.outputs for u, _ in out.uses()), key=ran_at.__getitem__)
+                     for copy in copies}  # fmt: skip
+    checked = [(copy, reader) for copy, reader in first_readers.items() if reader not in first_readers]
+    assert any(reader.op_type == "Gemm" for _, reader in checked)  # a weight gradient reads a copy
+    for copy, reader in checked:
+        others = [v.producer() for v in reader.inputs if v is not None and v.producer() not in (None, copy)]
+        assert all(ran_at[copy] > ran_at[p] for p in others if p in ran_at), (copy.name, reader.name)
 
 
 def test_without_dropout_the_step_matches_torch():

@@ -18,13 +18,14 @@ Its *late readers* are those after the peak; the nodes to run again are the prod
 the buffer and of its views read late, and, through their inputs, every recompute clone
 whose value would not be alive any more before the first late reader (at most
 :data:`MAX_CHAIN` nodes; no PythonOp, no node with a subgraph).  Those nodes are copied,
-in order, right before the first late reader in graph order, and every reader after the
-peak of a value they produce reads the copy's value instead.  The buffers are tried
-largest first, and the first copy that lowers the predicted peak is kept; the search
-starts again at the new peak, until no copy lowers it or the peak meets the target a
-memory budget recorded (``STEP_MEMORY_TARGET_KEY``, written by ``recompute(budget=)``:
-copies past it would cost time for memory nobody asked for).  A clone with no reader left is
-then removed.  Each copy costs the time of its nodes, once a step; a copy that does not
+in order, as early in graph order as their inputs allow (not before backward's first node),
+so that ORT's walk computes them right before the late reader that needs them first, after
+its other inputs; every reader after the peak of a value they produce reads the copy's
+value instead.  The buffers are tried largest first, and the first copy that lowers the
+predicted peak is kept; the search starts again at the new peak, until no copy lowers it
+or the peak meets the target a memory budget recorded (``STEP_MEMORY_TARGET_KEY``,
+written by ``recompute(budget=)``: copies past it would cost time for memory nobody asked
+for).  A clone with no reader left is then removed.  Each copy costs the time of its nodes, once a step; a copy that does not
 lower the peak is never made.
 
 Copies are exact: they run the same nodes on the same inputs (a recomputed Dropout keeps
@@ -121,18 +122,20 @@ class RecomputeAgainLatePass(OrtPass):
 @dataclasses.dataclass
 class _LateCopy:
     """The recompute clones ``nodes`` (graph order) producing ``value``, to be run again
-    right before ``place`` for ``readers`` (node, input index, original value)."""
+    for ``readers`` (node, input index, original value), of which ``place`` comes first in
+    graph order; the copies go right before ``before``."""
 
     value: ir.Value
     nodes: list[ir.Node]
     place: ir.Node
+    before: ir.Node
     readers: list[tuple[ir.Node, int, ir.Value]]
     copies: list[ir.Node] = dataclasses.field(default_factory=list)
 
     def apply(self, graph: ir.Graph, names: NameAllocator) -> None:
         copy_of: dict[ir.Value, ir.Value] = {}
         self.copies = [_copy(node, copy_of, names) for node in self.nodes]
-        graph.insert_before(self.place, self.copies)
+        graph.insert_before(self.before, self.copies)
         for reader, index, original in self.readers:
             reader.replace_input_with(index, copy_of[original])
 
@@ -184,7 +187,9 @@ def _candidates(model: ir.Model, step: StepMemory, dims: Mapping[str, int]) -> l
     order = ort_default_order(list(model.graph))
     peak = _peak_in(order, step)
     ort_position = {node: i for i, node in enumerate(order)}
-    graph_position = {node: i for i, node in enumerate(model.graph)}
+    graph_nodes = list(model.graph)
+    graph_position = {node: i for i, node in enumerate(graph_nodes)}
+    first_backward = next((i for i, node in enumerate(graph_nodes) if is_backward(node)), 0)
     buffers = memory.BufferMap()
     last_read = last_reads(order, ort_position, buffers, len(order) - 1)
     views: dict[ir.Value, list[ir.Value]] = {}
@@ -199,7 +204,8 @@ def _candidates(model: ir.Model, step: StepMemory, dims: Mapping[str, int]) -> l
             read_late = [v for v in views[root] if any(ort_position.get(u, -1) > peak for u, _ in v.uses())]
             copy = _late_copy(root, read_late, peak, ort_position, graph_position, buffers, last_read)
             if copy is not None:
-                found.append(copy)
+                earliest = max(_inputs_ready_at(copy.nodes, graph_position) + 1, first_backward)
+                found.append(dataclasses.replace(copy, before=graph_nodes[earliest]))
     # The largest first: the search keeps the first copy that lowers the peak.
     found.sort(key=lambda c: -(memory.nbytes_at(c.value, dims) or 0))
     return found
@@ -247,7 +253,23 @@ def _late_copy(root, read_late, peak, ort_position, graph_position, buffers, las
         if user not in chain and ort_position.get(user, -1) > peak
         and graph_position.get(user, -1) >= graph_position[place]
     ]  # fmt: skip
-    return _LateCopy(root, nodes, place, readers)
+    return _LateCopy(root, nodes, place, before=place, readers=readers)
+
+
+def _inputs_ready_at(chain: Sequence[ir.Node], graph_position: Mapping[ir.Node, int]) -> int:
+    """The graph position of the last producer of a value ``chain`` reads from outside.
+
+    The copies go right after it, not right before their first late reader: ORT's walk
+    visits a node's inputs' producers from the last in graph order down, so a copy placed
+    last is computed first, and held while the reader's other inputs (a gradient chain
+    through the rest of the layer, when a weight gradient reads ``Gemm(x, dY)``) are
+    computed.  Placed as early as its inputs allow, it is computed last, right before its
+    reader.
+    """
+    members = set(chain)
+    producers = {value.producer() for node in chain for value in node.inputs if value is not None}
+    return max((graph_position[p] for p in producers if p is not None and p not in members and p in graph_position),
+               default=-1)
 
 
 def _is_clone(node: ir.Node) -> bool:
