@@ -62,14 +62,15 @@ def _weight_gradient(model: ir.Model, param: str) -> str:
 
 
 def _input_gradient_of_up(model: ir.Model, d_up: ir.Node) -> str:
-    """The MatMul that turns ``dU`` into the gradient of the MLP's input."""
+    """The matrix product (``Gemm(dU, W, transB=1)`` as the torch builder writes it) that
+    turns ``dU`` into the gradient of the MLP's input."""
     weight_gradient = _weight_gradient(model, "up.weight")
     seen, stack = [], [d_up.outputs[0]]
     while stack:
         for reader, _ in stack.pop().uses():
             if reader.op_type in ("Reshape", "Transpose"):
                 stack.append(reader.outputs[0])
-            elif reader.op_type == "MatMul" and reader.name != weight_gradient:
+            elif reader.op_type in ("MatMul", "Gemm") and reader.name != weight_gradient:
                 seen.append(reader.name)
     (name,) = seen
     return name

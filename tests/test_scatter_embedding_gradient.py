@@ -94,7 +94,7 @@ def test_torchs_scatter_into_zeros_becomes_a_scatter_into_the_part(twice):
     assert pass_.stats["counts"]["embedding gradients scattered"] == (2 if twice else 1)
     scatters = [n for n in model.graph if n.op_type == "ScatterND"]
     assert len(scatters) == (2 if twice else 1)
-    assert scatters[0].inputs[0].producer().op_type == "MatMul"  # the head's part, no zeros
+    assert scatters[0].inputs[0].producer().op_type == "Gemm"  # the head's weight gradient, no zeros
     assert scatters[-1].outputs[0].name == "emb.weight_grad" and scatters[-1].outputs[0].is_graph_output()
     assert not any(n.op_type == "Add" and n.outputs[0].is_graph_output() for n in model.graph)
     zeros = {n.inputs[0].name for n in plain.graph if n.op_type == "ScatterND"}
