@@ -231,3 +231,20 @@ def test_budget_plans_and_measures_budget_points_on_a_tiny_gpt2(monkeypatch):
     assert entry["loss_checks"]["torch_ckpt_k1"] is True  # checkpointing changes no number
     assert "ortpass_budget_4" in entry["goal"]["points"]
     assert "ortpass, budget 4/4" in budget.markdown(results)
+
+
+def test_attention_time_measures_every_kernel_and_both_checkpointed_steps_on_tiny_shapes(monkeypatch):
+    monkeypatch.setenv("ORTPASS_BENCH_TINY", "1")
+    attention_time = _load("attention_time")
+    kernels = attention_time.kernels()
+    assert len(kernels) == 4
+    for name, row in kernels.items():
+        if "not_run" in row:  # ONNX's Attention on an onnxruntime older than opset 23
+            assert "Attention" in name
+            continue
+        assert row["seconds"] > 0
+        assert row["max_abs_diff"] < 1e-5, name  # every kernel computes the same attention
+    steps = attention_time.checkpointed_steps(rounds=1)
+    assert len(steps["flash"]) == len(steps["math"]) == 1 and min(steps["flash"] + steps["math"]) > 0
+    table = attention_time.markdown({"kernels": kernels, "checkpointed_steps": steps, "load": [0.0, 0.0]})
+    assert "| torch SDPA, flash kernel |" in table and "| math |" in table
