@@ -25,8 +25,8 @@ value instead.  The buffers are tried largest first, and the first copy that low
 predicted peak is kept; the search starts again at the new peak, until no copy lowers it
 or the peak meets the target a memory budget recorded (``STEP_MEMORY_TARGET_KEY``,
 written by ``recompute(budget=)``: copies past it would cost time for memory nobody asked
-for).  A clone with no reader left is then removed.  Each copy costs the time of its nodes, once a step; a copy that does not
-lower the peak is never made.
+for).  A clone with no reader left is then removed.  Each copy costs the time of its
+nodes, once a step; a copy that does not lower the peak is never made.
 
 Copies are exact: they run the same nodes on the same inputs (a recomputed Dropout keeps
 its fixed seed, or reads the forward mask where ``replay-dropout-mask`` made it so).
