@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import ortpass
-from ortpass.analysis.partition import get_training_info
+from ortpass.analysis.partition import get_training_info, is_backward
 from ortpass.errors import IndexRangeError
 from ortpass.export import export
 from ortpass.passes import DEFAULT_PIPELINE, ChunkLmHeadLossPass
@@ -214,6 +214,70 @@ def test_returned_logits_are_sliced_not_computed_again(head):
     np.testing.assert_allclose(b.loss, loss.numpy(), rtol=1e-5)
 
 
+def _vocab_wide_products(model: ir.Model) -> list[ir.Node]:
+    """Forward MatMul/Gemm nodes whose output is as wide as the vocabulary: the heads."""
+    return [
+        n for n in model.graph
+        if n.op_type in ("MatMul", "Gemm") and not is_backward(n) and n.outputs[0].shape is not None
+        and n.outputs[0].shape[-1] == VOCAB
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("head", ["tied", "linear", "biased"])
+def test_logits_last_computes_the_returned_logits_after_backward(head, tmp_path):
+    """With ``logits_last`` the loss is chunked from the hidden rows and the returned logits
+    come from a head of their own that ORT runs after every backward node, so the full
+    logits are alive only at the step's end.  Loss, gradients and logits are the unchunked
+    graph's and torch's."""
+    torch.manual_seed(0)
+    module = TinyLM(head, logits_out=True)
+    plain = _training(module)
+    pass_ = ChunkLmHeadLossPass(chunk=CHUNK, logits_last=True)
+    model = pass_(_training(module)).model
+    assert pass_.stats["counts"]["losses chunked"] == 1
+    assert pass_.stats["notes"]["chunked"][0]["returned_logits"] == "computed after backward"
+    (late,) = _vocab_wide_products(model)  # the original head is gone: the loss does not read it
+    assert late.name.endswith("/logits_again")
+    batch = dict(zip(["ids", "labels"], (a.numpy() for a in _args())))
+    order = ort_execution_order(model, batch, tmp_path)
+    at = {name: i for i, name in enumerate(order)}
+    ran_backward = [at[n.name] for n in model.graph if is_backward(n) and n.name in at]
+    assert len(ran_backward) > 20 and at[late.name] > max(ran_backward)
+    logits_name = next(v.name for v in model.graph.outputs if v.shape is not None and v.shape.rank() == 3)
+    a = TrainingSession(plain, extra_outputs=[logits_name]).run(batch)
+    b = TrainingSession(model, extra_outputs=[logits_name]).run(batch)
+    np.testing.assert_allclose(b.loss, a.loss, rtol=1e-6)
+    np.testing.assert_array_equal(b.extras[logits_name], a.extras[logits_name])
+    for name, gradient in a.gradients.items():  # float32 sums in another order: 1e-6 of the largest entry
+        np.testing.assert_allclose(b.gradients[name], gradient, rtol=1e-5, atol=1e-6 * np.abs(gradient).max(), err_msg=name)
+    with torch.no_grad():
+        loss, logits = module(*_args())
+    np.testing.assert_allclose(b.loss, loss.numpy(), rtol=1e-5)
+    np.testing.assert_allclose(b.extras[logits_name], logits.numpy(), rtol=1e-5, atol=1e-6)
+
+
+class ArgmaxLM(TinyLM):
+    """Returns the loss and each position's most likely token: a forward node reads the logits."""
+
+    def forward(self, ids, labels):
+        loss, logits = TinyLM.forward(self, ids, labels)
+        return loss, logits.argmax(-1)
+
+
+def test_logits_last_slices_logits_a_forward_node_reads():
+    """Logits read in forward (an argmax) are computed before the loss anyway: ``logits_last``
+    leaves them where they are, and the chunked loss slices them."""
+    torch.manual_seed(0)
+    module = ArgmaxLM("linear", logits_out=True)
+    pass_ = ChunkLmHeadLossPass(chunk=CHUNK, logits_last=True)
+    model = pass_(_training(module)).model
+    assert pass_.stats["counts"]["losses chunked"] == 1
+    assert pass_.stats["notes"]["chunked"][0]["returned_logits"] == "sliced"
+    (head,) = _vocab_wide_products(model)
+    assert not head.name.endswith("/logits_again")
+    assert any(n.op_type == "ArgMax" and n.inputs[0] is head.outputs[0] for n in model.graph)
+
+
 def _sparse_args(seed: int = 1, batch: int = BATCH, seq: int = SEQ, valid: float = 0.4) -> tuple[torch.Tensor, torch.Tensor]:
     """Labels mostly ``ignore_index`` (padding, or a masked LM's unmasked tokens): the export
     then routes them through the density flag, and the valid rows are gathered before the loss."""
@@ -334,8 +398,11 @@ class OutputLM(TinyLM):
         return {"loss": loss, "logits": logits}
 
 
-@pytest.mark.parametrize("logits_out", [False, True], ids=["loss-only", "logits-returned"])
-def test_ortmodule_trains_like_torch_with_the_loss_chunked_as_batch_and_sequence_change(logits_out, monkeypatch):
+@pytest.mark.parametrize(
+    ("logits_out", "logits_last"), [(False, False), (True, False), (True, True)],
+    ids=["loss-only", "logits-returned", "logits-last"],
+)
+def test_ortmodule_trains_like_torch_with_the_loss_chunked_as_batch_and_sequence_change(logits_out, logits_last, monkeypatch):
     """Every step's loss, logits and gradients are torch's while the batch and the sequence
     change, and every graph ORTModule built for them has its loss chunked."""
     import copy
@@ -343,7 +410,8 @@ def test_ortmodule_trains_like_torch_with_the_loss_chunked_as_batch_and_sequence
     torch.manual_seed(0)
     module = OutputLM("tied", logits_out=True) if logits_out else TinyLM("tied")
     reference = copy.deepcopy(module)
-    pipeline = DEFAULT_PIPELINE.replace("chunk-lm-head-loss,", f"chunk-lm-head-loss(chunk={CHUNK}),")
+    last = ", logits_last=True" if logits_last else ""
+    pipeline = DEFAULT_PIPELINE.replace("chunk-lm-head-loss,", f"chunk-lm-head-loss(chunk={CHUNK}{last}),")
     wrapped = ortpass.ORTModule(module, pipeline=pipeline)
     graphs = []
     run = type(wrapped)._run
@@ -367,6 +435,8 @@ def test_ortmodule_trains_like_torch_with_the_loss_chunked_as_batch_and_sequence
         for (name, p), q in zip(wrapped.module.named_parameters(), reference.parameters()):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
     assert graphs and all(g.report["chunk-lm-head-loss"].stats.get("counts", {}).get("losses chunked") == 1 for g in graphs), [g.report["chunk-lm-head-loss"].stats for g in graphs]
+    said = {g.report["chunk-lm-head-loss"].stats["notes"]["chunked"][0]["returned_logits"] for g in graphs}
+    assert said == {"computed after backward" if logits_last else "sliced" if logits_out else "not returned"}
     gathered = [g.report["insert-gather-before-sce-loss"].stats.get("counts", {}).get("losses rewritten") for g in graphs]
     assert 1 in gathered, gathered
 
@@ -419,13 +489,15 @@ def test_a_sum_divided_by_another_count_is_left_alone():
 
 
 @pytest.mark.stock
-def test_ortmodule_on_the_torch_builder_trains_like_torch_with_the_loss_chunked():
+@pytest.mark.parametrize("logits_last", [False, True], ids=["loss-only", "logits-last"])
+def test_ortmodule_on_the_torch_builder_trains_like_torch_with_the_loss_chunked(logits_last):
     import copy
 
     torch.manual_seed(0)
-    module = TinyLM("linear")
+    module = OutputLM("linear", logits_out=True) if logits_last else TinyLM("linear")
     reference = copy.deepcopy(module)
-    pipeline = DEFAULT_PIPELINE.replace("chunk-lm-head-loss,", f"chunk-lm-head-loss(chunk={CHUNK}),")
+    last = ", logits_last=True" if logits_last else ""
+    pipeline = DEFAULT_PIPELINE.replace("chunk-lm-head-loss,", f"chunk-lm-head-loss(chunk={CHUNK}{last}),")
     wrapped = ortpass.ORTModule(module, pipeline=pipeline, builder="torch")
     generator = torch.Generator().manual_seed(3)
     for batch, seq in ((2, 8), (3, 5), (1, 12)):
@@ -435,6 +507,9 @@ def test_ortmodule_on_the_torch_builder_trains_like_torch_with_the_loss_chunked(
         for m in (wrapped, reference):
             m.zero_grad(set_to_none=True)
         ours, theirs = wrapped(ids, labels), reference(ids, labels)
+        if logits_last:
+            torch.testing.assert_close(ours["logits"], theirs["logits"], rtol=1e-5, atol=1e-6)
+            ours, theirs = ours["loss"], theirs["loss"]
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
         ours.backward()
         theirs.backward()
@@ -443,6 +518,21 @@ def test_ortmodule_on_the_torch_builder_trains_like_torch_with_the_loss_chunked(
     labels[0, 1] = VOCAB + 3
     with pytest.raises(IndexError, match=f"outside \\[0, {VOCAB}\\)"):
         wrapped(ids, labels)
+
+
+@pytest.mark.stock
+def test_logits_last_on_the_torch_builder_runs_the_head_after_backward(tmp_path):
+    torch.manual_seed(0)
+    module = TinyLM("tied", logits_out=True)
+    pass_ = ChunkLmHeadLossPass(chunk=CHUNK, logits_last=True)
+    model = pass_(_from_torch(module)).model
+    assert pass_.stats["notes"]["chunked"][0]["returned_logits"] == "computed after backward"
+    (late,) = _vocab_wide_products(model)
+    batch = dict(zip(["ids", "labels"], (a.numpy() for a in _args())))
+    order = ort_execution_order(model, batch, tmp_path)
+    at = {name: i for i, name in enumerate(order)}
+    ran_backward = [at[n.name] for n in model.graph if is_backward(n) and n.name in at]
+    assert len(ran_backward) > 20 and at[late.name] > max(ran_backward)
 
 
 # -- the slices' width under a memory budget -------------------------------------------------------

@@ -31,6 +31,12 @@ Those forward and backward nodes are removed; the chunked loss's values take the
 readers (graph outputs keep their names).  When the graph returns the logits (Hugging
 Face's output carries them) or a forward node reads them, the head stays: the logits are
 computed whole anyway, and the chunked loss slices them instead of computing them again.
+They are then alive from the head through all of backward (one ORT run computes both).
+With ``logits_last=True``, where no forward node reads them, the loss is chunked from the
+hidden rows as if they were not returned, and the returned logits are computed again from
+those rows by one ``Gemm`` that nothing reads, which ORT's default order runs after
+backward: the step holds the full logits only at its end, at the cost of one more head
+product.
 Gathered rows are gathered by the chunked loss itself (from the hidden rows, or from each
 slice of the kept logits), and their gradient scattered back into the other rows' zeros.
 Runs after the gradient build and before ``accumulate-gradients-early`` (a tied weight's
@@ -65,13 +71,13 @@ from ortpass.analysis.region_gradients import (
     gradients_handed_on,
     region_backward,
 )
-from ortpass.conventions import is_onnx_domain
 from ortpass.errors import PlanError
 from ortpass.graph.names import NameAllocator
 from ortpass.infra.base import OrtPass
 from ortpass.infra.metadata import get_export_info
 from ortpass.infra.registry import register_pass
 from ortpass.ops.chunked_cross_entropy import HeadLoss, write_chunked_loss
+from ortpass.ops.lm_head import head_of, only_returned, reshapes_above, returned_logits, returned_shape_source
 from ortpass.ops.loss_side import LossSide, UnsupportedLoss, loss_side
 from ortpass.ops.sce_loss import LABEL_TYPES
 
@@ -98,6 +104,7 @@ class _Match:
     hidden_grad: ir.Value  # the gradient of the head's input, as the builder wrote it
     weight_grad: ir.Value | None
     bias_grad: ir.Value | None
+    returned: list[ir.Value]  # with logits_last: the logits the graph returns, computed again after backward
 
 
 @register_pass("chunk-lm-head-loss")
@@ -110,13 +117,17 @@ class ChunkLmHeadLossPass(OrtPass):
     at the export's dims; 8192 when there are none), a multiple of 256.  ``budget``: the
     step's memory budget, as ``recompute(budget=...)`` takes it; in bytes, the default
     width narrows where recompute could not meet it otherwise (module docstring).  A
-    ``budget`` note says which width was chosen and why.
+    ``budget`` note says which width was chosen and why.  ``logits_last``: compute the
+    logits the graph returns after backward rather than slicing them for the loss (module
+    docstring); each ``chunked`` note says which the returned logits got.
     """
 
     phase = "post-grad"
     runs_before = frozenset({"accumulate-gradients-early", "recompute"})
 
-    def __init__(self, *, chunk: int | None = None, budget: int | float | str | None = None) -> None:
+    def __init__(
+        self, *, chunk: int | None = None, budget: int | float | str | None = None, logits_last: bool = False
+    ) -> None:
         super().__init__()
         if chunk is not None and chunk < 1:
             raise ValueError(f"chunk must be a positive number of vocabulary columns, got {chunk}")
@@ -124,12 +135,14 @@ class ChunkLmHeadLossPass(OrtPass):
             raise PlanError(f"give chunk= or budget=, not both: the budget chooses the width (got chunk={chunk}, budget={budget!r})")
         self.chunk = chunk
         self.budget = budget
+        self.logits_last = logits_last
         self._target = parse_budget(budget) if budget is not None else None
         self._halvings = 0  # of the default width (chunk_width.halved)
 
     def __repr__(self) -> str:
         budget = "" if self.budget is None else f", budget={self.budget!r}"
-        return f"ChunkLmHeadLossPass(chunk={self.chunk}{budget})"
+        last = ", logits_last=True" if self.logits_last else ""
+        return f"ChunkLmHeadLossPass(chunk={self.chunk}{budget}{last})"
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         if not is_training_graph(model):
@@ -153,7 +166,7 @@ class ChunkLmHeadLossPass(OrtPass):
 
     def _halvings_for_budget(self, model: ir.Model, target: int) -> int:
         def chunk_at(halvings: int) -> tuple[ir.Model, list[int]]:
-            trial = ChunkLmHeadLossPass()
+            trial = ChunkLmHeadLossPass(logits_last=self.logits_last)
             trial._halvings = halvings
             chunked = trial(model.clone()).model
             return chunked, [note["chunk"] for note in trial.stats.get("notes", {}).get("chunked", [])]
@@ -169,9 +182,9 @@ class ChunkLmHeadLossPass(OrtPass):
             raise _Skip("labels are not a rank-1 tensor of class indices")
         if logits_rows.shape is None or logits_rows.shape.rank() != 2:
             raise _Skip("the loss's logits are not rank 2 with a known shape")
-        reshapes, chain = _reshapes_above(logits_rows)
+        reshapes, chain = reshapes_above(logits_rows)
         logits = chain[-1]
-        head, bias_add, bias, inner = _head_of(logits)
+        head, bias_add, bias, inner = head_of(logits)
         hidden, projection = head.inputs[0], head.inputs[1]
         weight, rows_are_vocab, transpose = self._weight_of(head, projection)
         if weight.shape is None or not weight.shape.is_static() or weight.shape.rank() != 2:
@@ -191,7 +204,8 @@ class ChunkLmHeadLossPass(OrtPass):
         if vocab <= chunk:
             raise _Skip(f"vocabulary {vocab} fits one chunk of {chunk} columns")
         region = [n for n in (transpose, head) if n is not None] + inner + ([bias_add] if bias_add is not None else []) + reshapes + side.nodes
-        kept = _returned_logits(region, chain)
+        kept = returned_logits(region, chain)
+        last = bool(kept) and self.logits_last and only_returned(kept, region, hidden, vocab)
         seed = _value_named(model.graph, info.loss_gradient)  # _loss_settings checked info.loss
         if seed is None:
             raise _Skip(f"the loss's gradient {info.loss_gradient} is not in the graph")
@@ -205,10 +219,13 @@ class ChunkLmHeadLossPass(OrtPass):
         loss_head = HeadLoss(
             hidden=hidden, rows=rows, weight=weight, weight_rows_are_vocab=rows_are_vocab, vocab=vocab, labels=labels,
             ignore_index=side.ignore_index, reduction=side.reduction, loss_grad=seed, dtype=dtype, bias=bias,
-            bias_trains=handed[2] is not None, logits=logits_rows if kept else None, row_indices=row_indices,
+            bias_trains=handed[2] is not None, logits=logits_rows if kept and not last else None,
+            row_indices=row_indices,
         )  # fmt: skip
-        removed = side.nodes if kept else region
-        return _Match(loss, region, removed, backward, loss_head, chunk, hidden if hidden.shape.rank() != 2 else None, *handed)
+        removed = side.nodes if kept and not last else region
+        returned = [v for v in chain if v.is_graph_output()] if last else []
+        return _Match(loss, region, removed, backward, loss_head, chunk, hidden if hidden.shape.rank() != 2 else None,
+                      *handed, returned=returned)
 
     @staticmethod
     def _weight_of(head: ir.Node, projection: ir.Value | None) -> tuple[ir.Value, bool, ir.Node | None]:
@@ -239,6 +256,7 @@ class ChunkLmHeadLossPass(OrtPass):
             head = dataclasses.replace(head, bias=forward.reshape(head.bias, forward.ints([head.vocab]), [head.vocab], head.dtype, "bias_flat"))
         chunk = match.chunk
         written = write_chunked_loss(head, chunk, names, prefix=prefix, opset=model.opset_imports.get("", 17))
+        returned = [(old, _logits_again(forward, head, match.hidden_3d, old)) for old in match.returned]
         hidden_grad, bias_grad = written.hidden_grad, written.bias_grad
         if match.hidden_3d is not None:
             shape_of = backward.add(ir.node("Shape", [match.hidden_3d]), "hidden_shape")
@@ -253,14 +271,41 @@ class ChunkLmHeadLossPass(OrtPass):
         graph.insert_before(match.loss, [*forward.nodes, *written.forward])
         graph.insert_before(start, [*written.backward, *backward.nodes])
         for old, new in ((match.loss.outputs[0], written.loss), (match.hidden_grad, hidden_grad),
-                         (match.weight_grad, written.weight_grad), (match.bias_grad, bias_grad)):  # fmt: skip
+                         (match.weight_grad, written.weight_grad), (match.bias_grad, bias_grad), *returned):  # fmt: skip
             if old is not None:
                 _take_over(old, new)
         _remove_with_feeders(graph, [*match.backward, *reversed(match.removed)])
         self.count("losses chunked")
         slices = -(-head.vocab // chunk)
-        self.note("chunked", {"loss": match.loss.name, "vocab": head.vocab, "slices": slices, "chunk": chunk})
-        logger.info("%s: the head and loss run in %d vocabulary slices of %d", match.loss.name, slices, chunk)
+        logits = "computed after backward" if match.returned else "sliced" if head.logits is not None else "not returned"
+        self.note("chunked", {"loss": match.loss.name, "vocab": head.vocab, "slices": slices, "chunk": chunk,
+                              "returned_logits": logits})
+        logger.info("%s: the head and loss run in %d vocabulary slices of %d (returned logits: %s)",
+                    match.loss.name, slices, chunk, logits)
+
+
+def _logits_again(forward: _NodeWriter, head: HeadLoss, hidden_3d: ir.Value | None, returned: ir.Value) -> ir.Value:
+    """The returned logits computed from the hidden rows by one Gemm (no Transpose for ORT
+    to fuse into a node of its own, which its default order would run early), shaped as
+    ``returned``.  Nothing else reads them: a forward leaf before the loss in graph order,
+    which ORT's default order runs last (it takes leaves from the last in graph order down)."""
+    inputs = [head.hidden, head.weight] + ([head.bias] if head.bias is not None else [])
+    trans_b = 1 if head.weight_rows_are_vocab else 0
+    rows = forward.add(ir.node("Gemm", inputs, {"transB": trans_b}), "logits_again")
+    rows.shape, rows.dtype = ir.Shape([head.rows, head.vocab]), head.dtype
+    source = returned_shape_source(returned, hidden_3d if hidden_3d is not None else head.hidden, head.vocab)
+    if source == "rows":
+        return rows
+    if source == "reshape":  # the builder's own view of the rows, on the same shape operand
+        view = returned.producer()
+        reshape = ir.node("Reshape", [rows, view.inputs[1]], {a.name: a.value for a in view.attributes.values()})
+        shaped = forward.add(reshape, "logits_again_shaped")
+        shaped.shape, shaped.dtype = returned.shape.copy(), head.dtype
+        return shaped
+    shape = forward.add(ir.node("Shape", [hidden_3d]), "logits_shape")
+    leading = forward.add(ir.node("Slice", [shape, forward.ints([0]), forward.ints([-1])]), "logits_leading")
+    full = forward.add(ir.node("Concat", [leading, forward.ints([head.vocab])], {"axis": 0}), "logits_dims")
+    return forward.reshape(rows, full, returned.shape, head.dtype, "logits_again_shaped")
 
 
 class _NodeWriter:
@@ -283,69 +328,6 @@ class _NodeWriter:
         out = self.add(ir.node("Reshape", [x, shape]), name)
         out.shape, out.dtype = ir.Shape(list(dims)), dtype
         return out
-
-
-def _reshapes_above(logits_rows: ir.Value) -> tuple[list[ir.Node], list[ir.Value]]:
-    """The Reshapes between the head and the loss's rows (in graph order; the torch builder
-    writes two, to batch x sequence and back), and the values along them, rows first."""
-    reshapes, chain = [], [logits_rows]
-    node = logits_rows.producer()
-    while node is not None and node.op_type == "Reshape" and is_onnx_domain(node.domain):
-        reshapes.insert(0, node)
-        chain.append(node.inputs[0])
-        node = node.inputs[0].producer()
-    return reshapes, chain
-
-
-def _returned_logits(region: list[ir.Node], chain: list[ir.Value]) -> frozenset[ir.Value]:
-    """The logits (as the head wrote them, reshaped, and as rows) when the graph returns
-    them or a forward node outside the region reads them: they are computed whole anyway,
-    and the chunked loss slices them instead of computing them again."""
-    outside = [v for v in chain if v.is_graph_output() or any(
-        user not in region and not is_backward(user) for user, _ in v.uses())]  # fmt: skip
-    return frozenset(chain) if outside else frozenset()
-
-
-def _head_of(logits: ir.Value | None) -> tuple[ir.Node, ir.Node | None, ir.Value | None, list[ir.Node]]:
-    """The MatMul or Gemm the logits come from, the Add of its bias, the bias, and the
-    Reshapes between the head and that Add (the torch builder adds BART's
-    ``final_logits_bias`` to batch x sequence logits)."""
-    node = logits.producer() if logits is not None else None
-    if node is not None and node.op_type == "Add" and is_onnx_domain(node.domain):
-        for product, bias in (node.inputs, reversed(node.inputs)):
-            if product is None or not _is_weight_like(bias):
-                continue
-            inner, chain = _reshapes_above(product)
-            head = chain[-1].producer()
-            if head is None or head.op_type not in ("MatMul", "Gemm") or not is_onnx_domain(head.domain):
-                continue
-            readers = [*inner, node]
-            if all([n for n, _ in v.uses() if not is_backward(n)] == [readers[i]] and not v.is_graph_output()
-                   for i, v in enumerate(reversed(chain))):  # fmt: skip
-                return _checked_head(head), node, bias, inner
-    if node is None or node.op_type not in ("MatMul", "Gemm") or not is_onnx_domain(node.domain):
-        found = "a graph input" if node is None else node.op_type
-        raise _Skip(f"the logits come from {found}, not a MatMul or Gemm (with or without an Add of a bias)")
-    gemm_bias = node.inputs[2] if node.op_type == "Gemm" and len(node.inputs) > 2 else None
-    return _checked_head(node), None, gemm_bias, []
-
-
-def _checked_head(head: ir.Node) -> ir.Node:
-    if head.op_type == "Gemm":
-        a = head.attributes
-        if a.get_int("transA", 0) or a.get_float("alpha", 1.0) != 1.0 or a.get_float("beta", 1.0) != 1.0:
-            raise _Skip("the head Gemm transposes or scales its input or bias")
-        if len(head.inputs) > 2 and head.inputs[2] is not None and not _is_weight_like(head.inputs[2]):
-            raise _Skip("the head Gemm adds a computed tensor")
-    return head
-
-
-def _is_weight_like(value: ir.Value | None) -> bool:
-    """A parameter, buffer or constant: no node but a Constant computes it."""
-    if value is None:
-        return False
-    producer = value.producer()
-    return producer is None or producer.op_type == "Constant"
 
 
 def _value_named(graph: ir.Graph, name: str) -> ir.Value | None:
