@@ -218,12 +218,12 @@ def _vocab_wide_products(model: ir.Model) -> list[ir.Node]:
     """Forward MatMul/Gemm nodes whose output is as wide as the vocabulary: the heads."""
     return [
         n for n in model.graph
-        if n.op_type in ("MatMul", "Gemm") and not is_backward(n) and n.outputs[0].shape is not None
+        if n.op_type in ("MatMul", "Gemm", "FusedMatMul") and not is_backward(n) and n.outputs[0].shape is not None
         and n.outputs[0].shape[-1] == VOCAB
     ]  # fmt: skip
 
 
-@pytest.mark.parametrize("head", ["tied", "linear", "biased"])
+@pytest.mark.parametrize("head", ["tied", "linear", "hidden_by_vocab"])
 def test_logits_last_computes_the_returned_logits_after_backward(head, tmp_path):
     """With ``logits_last`` the loss is chunked from the hidden rows and the returned logits
     come from a head of their own that ORT runs after every backward node, so the full
@@ -238,6 +238,7 @@ def test_logits_last_computes_the_returned_logits_after_backward(head, tmp_path)
     assert pass_.stats["notes"]["chunked"][0]["returned_logits"] == "computed after backward"
     (late,) = _vocab_wide_products(model)  # the original head is gone: the loss does not read it
     assert late.name.endswith("/logits_again")
+    assert late.outputs[0].is_graph_output()  # no view after it: ORT would copy a view it returns
     batch = dict(zip(["ids", "labels"], (a.numpy() for a in _args())))
     order = ort_execution_order(model, batch, tmp_path)
     at = {name: i for i, name in enumerate(order)}
@@ -264,18 +265,19 @@ class ArgmaxLM(TinyLM):
         return loss, logits.argmax(-1)
 
 
-def test_logits_last_slices_logits_a_forward_node_reads():
-    """Logits read in forward (an argmax) are computed before the loss anyway: ``logits_last``
-    leaves them where they are, and the chunked loss slices them."""
+@pytest.mark.parametrize("module", [ArgmaxLM("linear", logits_out=True), TinyLM("biased", logits_out=True)], ids=["argmax", "biased"])
+def test_logits_last_slices_logits_a_forward_node_reads_or_a_bias_completes(module):
+    """Logits read in forward (an argmax) are computed before the loss anyway; batch x
+    sequence logits with a bias would take an ``Add`` after the product, whose output ORT
+    allocates beside it: ``logits_last`` leaves them where they are, and the chunked loss
+    slices them."""
     torch.manual_seed(0)
-    module = ArgmaxLM("linear", logits_out=True)
     pass_ = ChunkLmHeadLossPass(chunk=CHUNK, logits_last=True)
     model = pass_(_training(module)).model
     assert pass_.stats["counts"]["losses chunked"] == 1
     assert pass_.stats["notes"]["chunked"][0]["returned_logits"] == "sliced"
     (head,) = _vocab_wide_products(model)
     assert not head.name.endswith("/logits_again")
-    assert any(n.op_type == "ArgMax" and n.inputs[0] is head.outputs[0] for n in model.graph)
 
 
 def _sparse_args(seed: int = 1, batch: int = BATCH, seq: int = SEQ, valid: float = 0.4) -> tuple[torch.Tensor, torch.Tensor]:
@@ -528,6 +530,7 @@ def test_logits_last_on_the_torch_builder_runs_the_head_after_backward(tmp_path)
     model = pass_(_from_torch(module)).model
     assert pass_.stats["notes"]["chunked"][0]["returned_logits"] == "computed after backward"
     (late,) = _vocab_wide_products(model)
+    assert late.outputs[0].is_graph_output()  # the builder's Reshape to batch x sequence is not after it
     batch = dict(zip(["ids", "labels"], (a.numpy() for a in _args())))
     order = ort_execution_order(model, batch, tmp_path)
     at = {name: i for i, name in enumerate(order)}
@@ -585,6 +588,38 @@ def test_a_memory_budget_narrows_the_slices_only_as_far_as_it_needs():
     result, quarter, widths = run(budget)
     assert quarter["halvings"] == 2 and widths == [WIDE_VOCAB // 4]
     assert predict_step_memory(result.model).peak_bytes <= budget
+    check_parity(module, _wide_args(), result.model, input_names=["ids", "labels"]).assert_ok()
+
+
+class WideOutputLM(WideVocabLM):
+    """Returns the loss and the logits, as a Hugging Face model's output carries both."""
+
+    def forward(self, ids, labels):
+        logits = self.head(torch.tanh(self.fc(self.emb(ids))))
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, WIDE_VOCAB), labels.reshape(-1), ignore_index=IGNORE)
+        return loss, logits
+
+
+def test_a_budget_computes_returned_logits_after_backward_before_narrowing_the_slices():
+    """Under a budget recompute cannot meet with the returned logits sliced, they are
+    computed after backward first, and the slices narrow only if that is not enough."""
+
+    def run(budget):
+        result = _budget_pipeline(module, budget)
+        stats = result.report["chunk-lm-head-loss"].stats
+        (note,) = stats["notes"]["budget"]
+        return result, note, [c["returned_logits"] for c in stats["notes"].get("chunked", [])]
+
+    torch.manual_seed(0)
+    module = WideOutputLM()
+    _, loose, returned = run("1GiB")
+    assert loose["halvings"] == 0 and not loose["logits_last"] and returned == []  # one slice: nothing chunked
+    _, first, returned = run(loose["lowest_peak_bytes"] - 1)
+    assert first["logits_last"] and returned == ["computed after backward"]
+    assert first["lowest_peak_bytes"] < loose["lowest_peak_bytes"]
+    budget = first["lowest_peak_bytes"] - 1  # under what computing them last reaches at that width
+    result, narrower, returned = run(budget)
+    assert narrower["logits_last"] and narrower["halvings"] > first["halvings"] and returned == ["computed after backward"]
     check_parity(module, _wide_args(), result.model, input_names=["ids", "labels"]).assert_ok()
 
 

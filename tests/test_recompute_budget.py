@@ -362,6 +362,9 @@ def test_a_memory_budget_replaces_the_plan_options_of_both_recompute_passes():
         "chunk-lm-head-loss(budget='1GiB'),fix-dropout-seed(budget='1GiB'),recompute(budget='1GiB')"
     )
     assert with_memory_budget("chunk-lm-head-loss(chunk=512),recompute", 0.5).startswith("chunk-lm-head-loss(chunk=512),")
+    assert with_memory_budget("chunk-lm-head-loss(logits_last=True),recompute", 0.5).startswith(
+        "chunk-lm-head-loss(logits_last=True,budget=0.5),"
+    )
 
 
 def test_the_wrapper_refuses_a_bad_budget_when_wrapping():

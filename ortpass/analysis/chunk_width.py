@@ -66,12 +66,14 @@ class WidthChoice:
         return dataclasses.asdict(self)
 
 
-def halvings_for_budget(chunk_at: Callable[[int], tuple[ir.Model, list[int]]], target: int) -> WidthChoice:
+def halvings_for_budget(
+    chunk_at: Callable[[int], tuple[ir.Model, list[int]]], target: int, *, start: int = 0, stop: int | None = None
+) -> WidthChoice:
     """The fewest halvings of the default width at which recompute can meet ``target``
-    bytes.  ``chunk_at(h)``: a copy of the graph chunked at ``h`` halvings, and each
-    loss's slice width."""
+    bytes, from ``start`` on (at most ``stop``).  ``chunk_at(h)``: a copy of the graph
+    chunked at ``h`` halvings, and each loss's slice width."""
     cost_model = CostModel.for_this_machine()
-    halvings = 0
+    halvings = start
     while True:
         chunked, widths = chunk_at(halvings)
         try:
@@ -79,7 +81,8 @@ def halvings_for_budget(chunk_at: Callable[[int], tuple[ir.Model, list[int]]], t
         except PlanError:  # a size is unknown: the recompute pass will say which
             return WidthChoice(0, [], None)
         # Stop where it fits, where no loss can be chunked (none even at one halving), or at the narrowest.
-        if lowest <= target or (halvings and not widths) or (widths and all(w <= GRANULE for w in widths)):
+        narrowest = widths and all(w <= GRANULE for w in widths)
+        if lowest <= target or (halvings and not widths) or narrowest or halvings == stop:
             logger.info("slices of %s columns: lowest step peak recompute reaches %d bytes (budget %d)", widths, lowest, target)
             return WidthChoice(halvings, widths, lowest)
         halvings += 1

@@ -275,7 +275,8 @@ def with_memory_budget(spec: str, budget: Any) -> str:
     parts = []
     for s, end in zip(specs, ends):
         if s.name == "chunk-lm-head-loss" and "chunk" not in s.options:
-            parts.append(f"chunk-lm-head-loss(budget={budget!r})")  # its width too, unless given
+            options = {**s.options, "budget": budget}  # its width too, unless given; logits_last kept
+            parts.append("chunk-lm-head-loss(" + ",".join(f"{k}={v!r}" for k, v in options.items()) + ")")
             continue
         if s.name not in ("recompute", "fix-dropout-seed"):
             parts.append(spec[s.position : end].strip().rstrip(","))

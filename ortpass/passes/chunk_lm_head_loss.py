@@ -44,9 +44,11 @@ head part is then the slices' concatenation) and ``recompute``.  Statistics: ``l
 notes ``chunked`` (loss, vocabulary, slices, chunk) and ``skipped`` (loss, reason).
 
 Width.  Without a ``chunk``, a slice holds :data:`DEFAULT_CHUNK_BYTES` of logits.  With a
-memory ``budget`` in bytes, it is halved (from the narrower of it and the vocabulary, down
-to 256 columns) where recompute could not meet the budget otherwise
-(:mod:`ortpass.analysis.recompute.chunk_width`).  A fraction is relative to the graph's
+memory ``budget`` in bytes, where recompute could not meet the budget at that width, the
+returned logits are computed after backward first (as ``logits_last``, where the graph
+returns them sliced), then the width is halved (from the narrower of it and the
+vocabulary, down to 256 columns) until recompute can
+(:mod:`ortpass.analysis.chunk_width`).  A fraction is relative to the graph's
 own peaks, which every width meets: it keeps the default.
 """
 
@@ -138,6 +140,7 @@ class ChunkLmHeadLossPass(OrtPass):
         self.logits_last = logits_last
         self._target = parse_budget(budget) if budget is not None else None
         self._halvings = 0  # of the default width (chunk_width.halved)
+        self._last = logits_last  # this call's: a budget may turn it on
 
     def __repr__(self) -> str:
         budget = "" if self.budget is None else f", budget={self.budget!r}"
@@ -147,8 +150,9 @@ class ChunkLmHeadLossPass(OrtPass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         if not is_training_graph(model):
             return ir.passes.PassResult(model, modified=False)
+        self._last = self.logits_last
         if self._target is not None and self._target[0] == "bytes":
-            self._halvings = self._halvings_for_budget(model, int(self._target[1]))
+            self._choose_for_budget(model, int(self._target[1]))
         info = get_training_info(model)
         matches = []
         for node in model.graph:
@@ -164,16 +168,29 @@ class ChunkLmHeadLossPass(OrtPass):
             self._rewrite(model, match)
         return ir.passes.PassResult(model, modified=bool(matches))
 
-    def _halvings_for_budget(self, model: ir.Model, target: int) -> int:
-        def chunk_at(halvings: int) -> tuple[ir.Model, list[int]]:
-            trial = ChunkLmHeadLossPass(logits_last=self.logits_last)
-            trial._halvings = halvings
-            chunked = trial(model.clone()).model
-            return chunked, [note["chunk"] for note in trial.stats.get("notes", {}).get("chunked", [])]
+    def _choose_for_budget(self, model: ir.Model, target: int) -> None:
+        """The fewest halvings of the default width at which recompute can meet ``target``;
+        where it cannot at the default width with the returned logits sliced, they are
+        computed after backward (``logits_last``) before any halving."""
 
-        choice = halvings_for_budget(chunk_at, target)
-        self.note("budget", {"target_bytes": target, **choice.to_dict()})
-        return choice.halvings
+        def chunking(last: bool):
+            def chunk_at(halvings: int) -> tuple[ir.Model, list[int]]:
+                trial = ChunkLmHeadLossPass(logits_last=last)
+                trial._halvings = halvings
+                chunked = trial(model.clone()).model
+                return chunked, [note["chunk"] for note in trial.stats.get("notes", {}).get("chunked", [])]
+
+            return chunk_at
+
+        choice = halvings_for_budget(chunking(self._last), target, stop=0)
+        if choice.lowest_peak_bytes is not None and choice.lowest_peak_bytes > target:
+            if not self._last and _computes_returned_logits_last(model):
+                self._last = True
+                choice = halvings_for_budget(chunking(True), target)
+            else:
+                choice = halvings_for_budget(chunking(self._last), target, start=1)
+        self.note("budget", {"target_bytes": target, **choice.to_dict(), "logits_last": self._last})
+        self._halvings = choice.halvings
 
     # -- matching ---------------------------------------------------------------------------
     def _match(self, model: ir.Model, side: LossSide, info: TrainingInfo) -> _Match:
@@ -205,7 +222,7 @@ class ChunkLmHeadLossPass(OrtPass):
             raise _Skip(f"vocabulary {vocab} fits one chunk of {chunk} columns")
         region = [n for n in (transpose, head) if n is not None] + inner + ([bias_add] if bias_add is not None else []) + reshapes + side.nodes
         kept = returned_logits(region, chain)
-        last = bool(kept) and self.logits_last and only_returned(kept, region, hidden, vocab)
+        last = bool(kept) and self._last and only_returned(kept, region, hidden, vocab, bias is not None)
         seed = _value_named(model.graph, info.loss_gradient)  # _loss_settings checked info.loss
         if seed is None:
             raise _Skip(f"the loss's gradient {info.loss_gradient} is not in the graph")
@@ -257,6 +274,8 @@ class ChunkLmHeadLossPass(OrtPass):
         chunk = match.chunk
         written = write_chunked_loss(head, chunk, names, prefix=prefix, opset=model.opset_imports.get("", 17))
         returned = [(old, _logits_again(forward, head, match.hidden_3d, old)) for old in match.returned]
+        if any(new.producer().op_type == "FusedMatMul" for _, new in returned):
+            model.opset_imports.setdefault("com.microsoft", 1)
         hidden_grad, bias_grad = written.hidden_grad, written.bias_grad
         if match.hidden_3d is not None:
             shape_of = backward.add(ir.node("Shape", [match.hidden_3d]), "hidden_shape")
@@ -285,27 +304,46 @@ class ChunkLmHeadLossPass(OrtPass):
 
 
 def _logits_again(forward: _NodeWriter, head: HeadLoss, hidden_3d: ir.Value | None, returned: ir.Value) -> ir.Value:
-    """The returned logits computed from the hidden rows by one Gemm (no Transpose for ORT
-    to fuse into a node of its own, which its default order would run early), shaped as
-    ``returned``.  Nothing else reads them: a forward leaf before the loss in graph order,
-    which ORT's default order runs last (it takes leaves from the last in graph order down)."""
-    inputs = [head.hidden, head.weight] + ([head.bias] if head.bias is not None else [])
-    trans_b = 1 if head.weight_rows_are_vocab else 0
-    rows = forward.add(ir.node("Gemm", inputs, {"transB": trans_b}), "logits_again")
-    rows.shape, rows.dtype = ir.Shape([head.rows, head.vocab]), head.dtype
+    """The returned logits computed again from the hidden states by one product that writes
+    them in ``returned``'s shape: no Transpose for ORT to fuse into a node of its own, which
+    its default order would run early, and no view after it, which ORT would copy (a graph
+    output).  Nothing reads them: a forward leaf before the loss in graph order, which ORT's
+    default order runs last (it takes leaves from the last in graph order down)."""
     source = returned_shape_source(returned, hidden_3d if hidden_3d is not None else head.hidden, head.vocab)
+    trans_b = 1 if head.weight_rows_are_vocab else 0
     if source == "rows":
-        return rows
-    if source == "reshape":  # the builder's own view of the rows, on the same shape operand
-        view = returned.producer()
-        reshape = ir.node("Reshape", [rows, view.inputs[1]], {a.name: a.value for a in view.attributes.values()})
-        shaped = forward.add(reshape, "logits_again_shaped")
-        shaped.shape, shaped.dtype = returned.shape.copy(), head.dtype
-        return shaped
-    shape = forward.add(ir.node("Shape", [hidden_3d]), "logits_shape")
-    leading = forward.add(ir.node("Slice", [shape, forward.ints([0]), forward.ints([-1])]), "logits_leading")
-    full = forward.add(ir.node("Concat", [leading, forward.ints([head.vocab])], {"axis": 0}), "logits_dims")
-    return forward.reshape(rows, full, returned.shape, head.dtype, "logits_again_shaped")
+        inputs = [head.hidden, head.weight] + ([head.bias] if head.bias is not None else [])
+        logits = forward.add(ir.node("Gemm", inputs, {"transB": trans_b}), "logits_again")
+        logits.shape, logits.dtype = ir.Shape([head.rows, head.vocab]), head.dtype
+        return logits
+    hidden = hidden_3d
+    if source == "reshape":  # the builder's rows, viewed with its logits' leading dims
+        size = head.weight.shape[1 if head.weight_rows_are_vocab else 0]
+        dims = returned.producer().inputs[1]
+        leading = forward.add(ir.node("Slice", [dims, forward.ints([0]), forward.ints([-1])]), "logits_leading")
+        shape = forward.add(ir.node("Concat", [leading, forward.ints([size])], {"axis": 0}), "hidden_dims")
+        hidden = forward.reshape(head.hidden, shape, [*returned.shape[:-1], size], head.dtype, "hidden_again")
+    if trans_b:  # com.microsoft's MatMul with transB: stock onnxruntime has it too
+        product = ir.node("FusedMatMul", [hidden, head.weight], {"transB": 1, "alpha": 1.0}, domain="com.microsoft")
+    else:
+        product = ir.node("MatMul", [hidden, head.weight])
+    logits = forward.add(product, "logits_again")
+    logits.shape, logits.dtype = returned.shape.copy(), head.dtype
+    return logits
+
+
+def _computes_returned_logits_last(model: ir.Model) -> bool:
+    """Whether ``logits_last`` would compute some loss's returned logits after backward,
+    at any slice width (matching only: the graph is not changed)."""
+    probe, info = ChunkLmHeadLossPass(chunk=1, logits_last=True), get_training_info(model)
+    for node in model.graph:
+        try:
+            side = loss_side(node, model, info.loss)
+            if side is not None and probe._match(model, side, info).returned:
+                return True
+        except UnsupportedLoss:
+            continue
+    return False
 
 
 class _NodeWriter:
