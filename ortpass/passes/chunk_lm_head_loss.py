@@ -153,8 +153,13 @@ class ChunkLmHeadLossPass(OrtPass):
         self._last = self.logits_last
         if self._target is not None and self._target[0] == "bytes":
             self._choose_for_budget(model, int(self._target[1]))
-        info = get_training_info(model)
-        matches = []
+        matches = self._matches(model)
+        for match in matches:  # every check passed before the first edit
+            self._rewrite(model, match)
+        return ir.passes.PassResult(model, modified=bool(matches))
+
+    def _matches(self, model: ir.Model) -> list[_Match]:
+        info, matches = get_training_info(model), []
         for node in model.graph:
             try:
                 side = loss_side(node, model, info.loss)
@@ -164,9 +169,7 @@ class ChunkLmHeadLossPass(OrtPass):
                 self.count("losses skipped")
                 self.note("skipped", {"loss": node.name, "reason": str(why)})
                 logger.debug("not chunking %s: %s", node.name, why)
-        for match in matches:  # every check passed before the first edit
-            self._rewrite(model, match)
-        return ir.passes.PassResult(model, modified=bool(matches))
+        return matches
 
     def _choose_for_budget(self, model: ir.Model, target: int) -> None:
         """The fewest halvings of the default width at which recompute can meet ``target``;
@@ -304,11 +307,10 @@ class ChunkLmHeadLossPass(OrtPass):
 
 
 def _logits_again(forward: _NodeWriter, head: HeadLoss, hidden_3d: ir.Value | None, returned: ir.Value) -> ir.Value:
-    """The returned logits computed again from the hidden states by one product that writes
-    them in ``returned``'s shape: no Transpose for ORT to fuse into a node of its own, which
-    its default order would run early, and no view after it, which ORT would copy (a graph
-    output).  Nothing reads them: a forward leaf before the loss in graph order, which ORT's
-    default order runs last (it takes leaves from the last in graph order down)."""
+    """The returned logits again, by one product in ``returned``'s shape: no Transpose for ORT
+    to fuse into a new node, which its default order would run early, and no view after it,
+    which ORT would copy (a graph output).  A forward leaf that nothing reads, before the
+    loss in graph order: ORT's default order takes leaves from the last one down."""
     source = returned_shape_source(returned, hidden_3d if hidden_3d is not None else head.hidden, head.vocab)
     trans_b = 1 if head.weight_rows_are_vocab else 0
     if source == "rows":
@@ -335,15 +337,7 @@ def _logits_again(forward: _NodeWriter, head: HeadLoss, hidden_3d: ir.Value | No
 def _computes_returned_logits_last(model: ir.Model) -> bool:
     """Whether ``logits_last`` would compute some loss's returned logits after backward,
     at any slice width (matching only: the graph is not changed)."""
-    probe, info = ChunkLmHeadLossPass(chunk=1, logits_last=True), get_training_info(model)
-    for node in model.graph:
-        try:
-            side = loss_side(node, model, info.loss)
-            if side is not None and probe._match(model, side, info).returned:
-                return True
-        except UnsupportedLoss:
-            continue
-    return False
+    return any(match.returned for match in ChunkLmHeadLossPass(chunk=1, logits_last=True)._matches(model))
 
 
 class _NodeWriter:
