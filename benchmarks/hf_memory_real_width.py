@@ -21,7 +21,8 @@ gradients, in torch and in the wrapper alike), ``loss = model(**batch).loss``,
 Configurations: ORTModule with ortpass's default pipeline (the graph returns the logits
 too, as Hugging Face's output carries them); the same without ``chunk-lm-head-loss`` and
 ``scatter-embedding-gradient``; ORTModule over a module that returns the loss alone (no
-logits to return); torch + checkpointing; torch +
+logits to return); ORTModule with ``chunk-lm-head-loss(logits_last=True)`` (the returned
+logits computed again after backward); torch + checkpointing; torch +
 checkpointing with the loss computed by Cut Cross-Entropy (``cut-cross-entropy``, its
 ``torch_compile`` implementation: the Triton one needs a GPU) from the base model's
 hidden states; its compile time (the first step) is kept apart as ``compile_seconds``.
@@ -83,6 +84,7 @@ CONFIGS = [
     ("wrapper", "ortpass.ORTModule, default pipeline", "wrapper"),
     ("wrapper_unchunked", "ortpass.ORTModule, without chunk-lm-head-loss and scatter-embedding-gradient", "wrapper"),
     ("wrapper_loss_only", "ortpass.ORTModule over a module that returns the loss only", "wrapper"),
+    ("wrapper_logits_last", "ortpass.ORTModule, chunk-lm-head-loss(logits_last=True): the returned logits computed after backward", "wrapper"),
     ("torch_ckpt", "torch + gradient_checkpointing_enable()", "torch"),
     ("torch_ckpt_cce", "torch + checkpointing + Cut Cross-Entropy (torch_compile impl)", "torch"),
 ]
@@ -120,6 +122,15 @@ def unchunked_pipeline() -> tuple[str, list[str]]:
     for name in VOCAB_PASSES:
         pipeline = remove_pass(pipeline, name)
     return pipeline, list(VOCAB_PASSES)
+
+
+def logits_last_pipeline() -> str:
+    """The default pipeline with ``chunk-lm-head-loss(logits_last=True)``."""
+    from ortpass.passes import DEFAULT_PIPELINE
+
+    if "chunk-lm-head-loss," not in DEFAULT_PIPELINE:
+        raise ValueError(f"the default pipeline has no plain chunk-lm-head-loss: {DEFAULT_PIPELINE}")
+    return DEFAULT_PIPELINE.replace("chunk-lm-head-loss,", "chunk-lm-head-loss(logits_last=True),")
 
 
 # -- children ----------------------------------------------------------------------------------
@@ -259,6 +270,8 @@ def child_wrapper(work: Path, family: str, seq: int, key: str, steps: int) -> di
         pipeline, removed = unchunked_pipeline()
     if key == "wrapper_loss_only":
         model = _LossOnly(model)
+    if key == "wrapper_logits_last":
+        pipeline = logits_last_pipeline()
     # One cache per row: the timing run loads the graph the memory run built.
     wrapped = ortpass.ORTModule(model, pipeline=pipeline, cache_dir=work / f"cache_{family}_{key}")
     said = _pass_messages("insert_gather_before_sce_loss", "chunk_lm_head_loss")
@@ -483,7 +496,7 @@ def _goal(family: str, configs: dict) -> list[str]:
     step time no worse than it."""
     ckpt = configs.get("torch_ckpt")
     lines = []
-    for key in ("wrapper", "wrapper_loss_only"):
+    for key in ("wrapper", "wrapper_logits_last", "wrapper_loss_only"):
         ours = configs.get(key)
         if not ours or not ckpt or "error" in ours or "error" in ckpt:
             continue
@@ -513,7 +526,7 @@ def _losses(family: str, entry: dict, stock: bool = False) -> list[str]:
     # With dropout, only rows that draw the same masks compare: torch's rows (one RNG), and
     # the wrapper's two graphs of one export (fix-dropout-seed gives both the same seeds);
     # the loss-only module is another export, with seeds of its own.
-    groups = [["wrapper", "wrapper_unchunked"], ["torch_ckpt", "torch_ckpt_cce"]] if dropout else [list(configs)]
+    groups = [["wrapper", "wrapper_unchunked", "wrapper_logits_last"], ["torch_ckpt", "torch_ckpt_cce"]] if dropout else [list(configs)]
     if dropout and stock:
         groups = groups[1:]
     groups = [[k for k in group if k in configs] for group in groups]
