@@ -568,14 +568,20 @@ def _budget_pipeline(module: torch.nn.Module, budget):
     return ortpass.pipeline(with_memory_budget(DEFAULT_PIPELINE, budget))(forward)
 
 
+def _budget_run(module: torch.nn.Module, budget, field: str):
+    """The pipeline's result under ``budget``, the pass's ``budget`` note, and ``field`` of
+    each ``chunked`` note."""
+    result = _budget_pipeline(module, budget)
+    stats = result.report["chunk-lm-head-loss"].stats
+    (note,) = stats["notes"]["budget"]
+    return result, note, [c[field] for c in stats["notes"].get("chunked", [])]
+
+
 def test_a_memory_budget_narrows_the_slices_only_as_far_as_it_needs():
     from ortpass.analysis.step_memory import predict_step_memory
 
     def run(budget):
-        result = _budget_pipeline(module, budget)
-        stats = result.report["chunk-lm-head-loss"].stats
-        (note,) = stats["notes"]["budget"]
-        return result, note, [c["chunk"] for c in stats["notes"].get("chunked", [])]
+        return _budget_run(module, budget, "chunk")
 
     torch.manual_seed(0)
     module = WideVocabLM()
@@ -605,10 +611,7 @@ def test_a_budget_computes_returned_logits_after_backward_before_narrowing_the_s
     computed after backward first, and the slices narrow only if that is not enough."""
 
     def run(budget):
-        result = _budget_pipeline(module, budget)
-        stats = result.report["chunk-lm-head-loss"].stats
-        (note,) = stats["notes"]["budget"]
-        return result, note, [c["returned_logits"] for c in stats["notes"].get("chunked", [])]
+        return _budget_run(module, budget, "returned_logits")
 
     torch.manual_seed(0)
     module = WideOutputLM()
