@@ -51,7 +51,7 @@ def only_returned(kept: frozenset[ir.Value], region: list[ir.Node], hidden: ir.V
 def returned_shape_source(value: ir.Value, hidden: ir.Value, vocab: int) -> str | None:
     """How logits of ``value``'s shape are made from the hidden states by one product, with
     no view after it: ORT copies a view that is a graph output (a ``Reshape`` of rows x
-    vocabulary into batch x sequence x vocabulary held both, measured on 1.32.0).  "rows":
+    vocabulary into batch x sequence x vocabulary held both, measured on 1.19.2 and 1.32.0).  "rows":
     they are rows x vocabulary; "reshape": ``value`` is a Reshape of rows x vocabulary, so
     the hidden rows take its leading dims first; "hidden": ``hidden`` has its leading dims;
     else None."""

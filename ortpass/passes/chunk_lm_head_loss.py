@@ -33,15 +33,14 @@ Face's output carries them) or a forward node reads them, the head stays: the lo
 computed whole anyway, and the chunked loss slices them instead of computing them again.
 They are then alive from the head through all of backward (one ORT run computes both).
 With ``logits_last=True``, where no forward node reads them, the loss is chunked from the
-hidden rows as if they were not returned, and the returned logits are computed again from
-those rows by one ``Gemm`` that nothing reads, which ORT's default order runs after
-backward: the step holds the full logits only at its end, at the cost of one more head
-product.
+hidden rows as if they were not returned, and the returned logits are computed again by
+one product that nothing reads, which ORT's default order runs after backward: the step
+holds the full logits only at its end, for two more head products than slicing them.
 Gathered rows are gathered by the chunked loss itself (from the hidden rows, or from each
 slice of the kept logits), and their gradient scattered back into the other rows' zeros.
 Runs after the gradient build and before ``accumulate-gradients-early`` (a tied weight's
 head part is then the slices' concatenation) and ``recompute``.  Statistics: ``losses chunked``, ``losses skipped``;
-notes ``chunked`` (loss, vocabulary, slices, chunk) and ``skipped`` (loss, reason).
+notes ``chunked`` (loss, vocabulary, slices, chunk, returned_logits), ``skipped`` (loss, reason).
 
 Width.  Without a ``chunk``, a slice holds :data:`DEFAULT_CHUNK_BYTES` of logits.  With a
 memory ``budget`` in bytes, where recompute could not meet the budget at that width, the
