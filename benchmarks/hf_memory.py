@@ -31,8 +31,12 @@ the forward masks as sessions do there.  The last ortpass row is ``ortpass.ORTMo
 environment, as a user runs it: the graph built at the first step with every input dim
 dynamic (the static rows' graphs have the benchmark's sizes fixed).
 
+Every row is timed ``--rounds`` times (default 3), in rounds over all rows whose order
+alternates, and keeps its fastest (``recompute_memory.more_timing_rounds``: this machine's
+step times drift by 10-30% over tens of minutes).
+
 Usage: ``python benchmarks/hf_memory.py [--models gpt2 llama] [--seq 512] [--steps 6]
-[--stock-python .venv-stock/bin/python]``.
+[--rounds 3] [--stock-python .venv-stock/bin/python]``.
 Writes ``hf_memory[_seq<N>].json`` and ``.md`` next to this script (``_<model>`` added for
 one model alone).
 
@@ -44,6 +48,7 @@ real width, ORTModule against torch + checkpointing and Cut Cross-Entropy (issue
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -215,14 +220,17 @@ def child_wrapper(work: Path, family: str, seq: int, steps: int) -> dict:
     return result
 
 
-def run(families: list[str], seq: int, steps: int, only: list[str] | None = None, stock_python: str | None = None) -> dict:
+def run(families: list[str], seq: int, steps: int, only: list[str] | None = None, stock_python: str | None = None,
+        rounds: int = 1) -> dict:
     """Measure every configuration; the stock rows only with ``stock_python`` (a Python whose
-    environment holds stock onnxruntime and ortpass)."""
+    environment holds stock onnxruntime and ortpass).  Each row's step time is its fastest
+    of ``rounds`` timing runs, in rounds of alternating order (``recompute_memory.more_timing_rounds``)."""
     results: dict = {
         "model": {"layers": LAYERS, "hidden": HIDDEN, "heads": HEADS, "vocab": VOCAB, "batch": BATCH, "seq": seq,
                   "llama_mlp": LLAMA_MLP},
         "cpus": os.cpu_count(),
         "steps_timed": steps,
+        "timing_rounds": rounds,
         "load_average_before": os.getloadavg(),
         "families": {},
         "stock_onnxruntime": _child_version(stock_python) if stock_python else None,
@@ -235,24 +243,29 @@ def run(families: list[str], seq: int, steps: int, only: list[str] | None = None
             if not only or "ort_cpp_l1" in only:
                 entry["ort_cpp_plans"] = _child("ort-plans", str(work))
             entry["configs"] = {}
+            timers = {}
             for key, label, kind in CONFIGS:
                 if (only and key not in only) or (kind.endswith("-stock") and not stock_python):
                     continue
                 print(f"[{family}] {label}", flush=True)
+                python = stock_python if kind.endswith("-stock") else None
                 if kind == "ort-cpp":
-                    measured = _config("ort-cpp", str(work), str(steps), str(int(key == "ort_cpp_l1")))
+                    args = ("ort-cpp", str(work), str(steps), str(int(key == "ort_cpp_l1")))
                 elif kind == "ort-stock":
-                    measured = _config("ort", str(work), key, str(steps), "0", python=stock_python)
+                    args = ("ort", str(work), key, str(steps), "0")
                 elif kind == "wrapper-stock":
-                    measured = _config("wrapper", str(work), family, str(seq), str(steps), python=stock_python)
+                    args = ("wrapper", str(work), family, str(seq), str(steps))
                 elif kind.startswith("ort"):
-                    measured = _config("ort", str(work), key, str(steps), str(int(kind == "ort-bridge")))
+                    args = ("ort", str(work), key, str(steps), str(int(kind == "ort-bridge")))
                 else:
-                    measured = _config("torch", str(work), family, str(seq), key, str(steps))
+                    args = ("torch", str(work), family, str(seq), key, str(steps))
+                measured = _config(*args, python=python)
+                timers[key] = functools.partial(rm._run_child, *args, script=__file__, timing=True, python=python)
                 if kind in ("ort", "ort-cpp", "ort-stock") and measured["torch_imported"]:
                     raise RuntimeError(f"{key}: torch was imported in the ORT child; the memory would be wrong")
                 entry["configs"][key] = {"label": label, **measured}
                 print(f"    step peak {measured['step_peak_mib']:.0f} MiB, step {measured['step_seconds']:.2f} s", flush=True)
+            rm.more_timing_rounds(entry["configs"], timers, rounds)
             results["families"][family] = entry
     results["load_average_after"] = os.getloadavg()
     return results
@@ -283,7 +296,9 @@ def markdown(results: dict) -> str:
         f"seq {m['seq']} (LLaMA MLP {m['llama_mlp']}); attention_mask of ones; one training step on CPU "
         f"({results['cpus']} cores). Step peak above the RSS after setup and a warm-up step, each configuration "
         f"in a fresh process; step time: fastest of {results['steps_timed']} warm steps in another fresh process "
-        "with the settings a user runs (no mmap threshold; ORT with TrainingSession's options). Load average before/after: "
+        "with the settings a user runs (no mmap threshold; ORT with TrainingSession's options), the fastest of "
+        f"{results.get('timing_rounds', 1)} such processes a row, timed in rounds over every row in alternating order. "
+        "Load average before/after: "
         f"{results['load_average_before'][0]:.1f} / {results['load_average_after'][0]:.1f}.",
         "",
     ]
@@ -302,6 +317,8 @@ def markdown(results: dict) -> str:
         default = "ortpass_fused" if entry["prepare"].get("auto_fuses") else "ortpass"
         lines.append(f"{family}: ORTModule's default (fused_attention='auto') is the row "
                      f"\"{entry['configs'][default]['label']}\".")
+        if results.get("timing_rounds", 1) > 1:
+            lines.append(f"{family} step seconds by round: {rm.rounds_text(entry['configs'])}.")
         lines += _goal(family, entry["configs"])
         for key, counts in entry["prepare"]["recompute"].items():
             lines.append(f"{family} {key}: recompute {dict(counts)}")
@@ -358,6 +375,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--models", nargs="+", default=["gpt2", "llama"], choices=["gpt2", "llama"])
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="timing runs a configuration, in rounds over every configuration (default 3)")
     parser.add_argument("--stock-python", default=str(HERE.parent / ".venv-stock" / "bin" / "python"),
                         help="a Python whose environment holds stock onnxruntime and ortpass, for the stock rows "
                         "(default: the README's .venv-stock; rows skipped when it does not exist)")
@@ -365,7 +384,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="run these configurations only; prints them and records nothing")
     args = parser.parse_args(argv)
     stock_python = args.stock_python if Path(args.stock_python).exists() else None
-    results = run(args.models, args.seq, args.steps, args.only, stock_python)
+    results = run(args.models, args.seq, args.steps, args.only, stock_python, args.rounds)
     if args.only:
         return
     stem = "hf_memory" if args.seq == 512 else f"hf_memory_seq{args.seq}"

@@ -38,13 +38,17 @@ with the arena on, the warm-up step leaves the step's peak held in the arena and
 peak reads near 0).  Step time comes from a second fresh process per configuration with
 the settings a user runs (glibc's defaults, ORTModule's own session options); it loads the
 graph the memory run built from ORTModule's ``cache_dir`` instead of exporting again.
+With ``--rounds R`` (default 3) every row is timed R times, in rounds over all rows whose
+order alternates, and keeps its fastest: this machine's step times drift by 10-30% over
+tens of minutes, and rows timed once each, one after another, carried that drift into
+their ratios.
 
 ``--masked-prompt F`` sets the labels of the first fraction ``F`` of each row to -100, as
 instruction tuning masks the prompt: the export then gathers the valid label rows before
 the loss.
 
 Usage: ``python benchmarks/hf_memory.py --real-width [--models gpt2 llama] [--seq 512]
-[--steps 4] [--masked-prompt F] [--only KEY ...]`` (or this script with the same
+[--steps 4] [--rounds 3] [--masked-prompt F] [--only KEY ...]`` (or this script with the same
 arguments).  Writes ``hf_memory_real_width[_seq<N>][_masked<P>].json`` and ``.md`` next to
 this script (``_<model>`` added for one model alone, ``_stock`` when run with stock
 onnxruntime, where ORTModule builds the gradient with torch); ``--only`` and ``ORTPASS_BENCH_TINY=1`` (the smoke run: 2 layers,
@@ -54,6 +58,7 @@ hidden 64, vocab 3000, seq 64) print and record nothing.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -406,7 +411,10 @@ def _versions() -> dict:
     return versions
 
 
-def run(families: list[str], seq: int, steps: int, only: list[str] | None = None, prompt: int = 0) -> dict:
+def run(families: list[str], seq: int, steps: int, only: list[str] | None = None, prompt: int = 0,
+        rounds: int = 1) -> dict:
+    """Every configuration (or those in ``only``) of each family: a memory run, then
+    ``rounds`` timing runs in alternating order (``recompute_memory.more_timing_rounds``)."""
     results: dict = {
         "masked_prompt": prompt,
         "models": {"gpt2": GPT2, "llama": LLAMA},
@@ -415,6 +423,7 @@ def run(families: list[str], seq: int, steps: int, only: list[str] | None = None
         "tiny": TINY,
         "cpus": os.cpu_count(),
         "steps_timed": steps,
+        "timing_rounds": rounds,
         "versions": _versions(),
         "load_average_before": os.getloadavg(),
         "families": {},
@@ -424,13 +433,17 @@ def run(families: list[str], seq: int, steps: int, only: list[str] | None = None
             work = Path(tmp)
             print(f"[{family}] preparing weights and batch", flush=True)
             entry = {"prepare": _child("prepare", str(work), family, str(seq), str(prompt)), "configs": {}}
+            timers = {}
             for key, label, kind in CONFIGS:
                 if only and key not in only:
                     continue
                 print(f"[{family}] {label}", flush=True)
-                measured = _config(key, kind, str(work), family, str(seq), key, str(steps))
+                args = (kind, str(work), family, str(seq), key, str(steps))
+                measured = _config(key, *args)
                 entry["configs"][key] = {"label": label, **measured}
+                timers[key] = functools.partial(rm._run_child, *args, script=__file__, timing=True)
                 print(f"    {_cell(entry['configs'][key])}", flush=True)
+            rm.more_timing_rounds(entry["configs"], timers, rounds)
             results["families"][family] = entry
     results["load_average_after"] = os.getloadavg()
     return results
@@ -470,7 +483,8 @@ def markdown(results: dict) -> str:
         f"input_ids{_masked(results)}; {_runtime(results)}; one training step on CPU ({results['cpus']} cores), gradients allocated by the step. Step peak "
         "above the RSS after setup and a warm-up step, each configuration in a fresh process (glibc mmap threshold "
         f"64 KiB, ORT's arena off); step time: fastest of {results['steps_timed']} warm steps in another fresh process "
-        "with the settings a user runs. Load average before/after: "
+        f"with the settings a user runs, the fastest of {results.get('timing_rounds', 1)} such processes a row, timed "
+        "in rounds over every row in alternating order. Load average before/after: "
         f"{results['load_average_before'][0]:.1f} / {results['load_average_after'][0]:.1f}."),
         "",
     ]
@@ -483,6 +497,8 @@ def markdown(results: dict) -> str:
     lines.append("")
     for family in families:
         entry = results["families"][family]
+        if results.get("timing_rounds", 1) > 1:
+            lines.append(f"{family} step seconds by round: {rm.rounds_text(entry['configs'])}.")
         lines += _goal(family, entry["configs"])
         lines += _losses(family, entry, stock=not results["versions"].get("onnxruntime-training"))
         lines += _notes(family, entry["configs"])
@@ -576,6 +592,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--models", nargs="+", default=["gpt2", "llama"], choices=["gpt2", "llama"])
     parser.add_argument("--seq", type=int, default=512, choices=SEQS)
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="timing runs a configuration, in rounds over every configuration (default 3)")
     parser.add_argument("--masked-prompt", type=float, default=0.0, metavar="FRACTION",
                         help="labels -100 over this first fraction of each row (an instruction-tuning prompt)")
     parser.add_argument("--only", nargs="+", choices=[key for key, _, _ in CONFIGS],
@@ -583,7 +601,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     seq = TINY_SEQ if TINY else args.seq
     prompt = int(round(args.masked_prompt * seq))
-    results = run(args.models, seq, args.steps, args.only, prompt)
+    results = run(args.models, seq, args.steps, args.only, prompt, args.rounds)
     if args.only or TINY:  # a partial or smoke run keeps the full run's record
         print(markdown(results))
         return

@@ -61,6 +61,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 HERE = Path(__file__).resolve().parent
 VOCAB, HIDDEN, HEADS, SEQ, BATCH, DROPOUT = 2048, 256, 4, 512, 8, 0.1
@@ -414,6 +415,36 @@ def _run_config(*args: str, script: str = __file__, python: str | None = None) -
     timing = _run_child(*args, script=script, timing=True, python=python)
     times = {key: timing[key] for key in ("step_seconds", "step_seconds_median", "step_seconds_all")}
     return {**memory, **times, "memory_run_step_seconds": memory["step_seconds"]}
+
+
+def more_timing_rounds(configs: dict[str, dict], timers: dict[str, Callable[[], dict]], rounds: int) -> None:
+    """Time each configuration in ``timers`` ``rounds - 1`` more times, each round in the
+    order reversed from the round before (A B C, C B A, A B C), each time in a fresh
+    process; ``configs[key]["step_seconds"]`` becomes its fastest over every round, the first
+    being the timing run it already had, and ``step_seconds_rounds`` keeps each round's.
+
+    Why: this machine's step times drift by 10-30% over tens of minutes, in both
+    directions, on the same graph (docs/performance.md).  Timed once, one row after another,
+    a ratio between two rows measured minutes apart carries that drift; alternating rounds
+    give every row a turn early and late."""
+    keys = [key for key in configs if key in timers and "error" not in configs[key]]
+    for key in keys:
+        configs[key]["step_seconds_rounds"] = [configs[key]["step_seconds"]]
+    for round_index in range(1, rounds):
+        for key in reversed(keys) if round_index % 2 else keys:
+            timing = timers[key]()
+            if "error" in timing:
+                raise RuntimeError(f"{key}: timing round {round_index + 1} failed: {timing['error']}")
+            configs[key]["step_seconds_rounds"].append(timing["step_seconds"])
+            print(f"    round {round_index + 1}, {key}: step {timing['step_seconds']:.2f} s", flush=True)
+    for key in keys:
+        configs[key]["step_seconds"] = min(configs[key]["step_seconds_rounds"])
+
+
+def rounds_text(configs: dict[str, dict]) -> str:
+    """Each configuration's fastest step in each timing round, as the record prints them."""
+    timed = {key: cfg["step_seconds_rounds"] for key, cfg in configs.items() if "step_seconds_rounds" in cfg}
+    return "; ".join(f"{key} " + " / ".join(f"{t:.2f}" for t in times) for key, times in timed.items())
 
 
 def run(layers_list: list[int], steps: int, only: list[str] | None = None) -> dict:
