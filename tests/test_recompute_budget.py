@@ -74,6 +74,21 @@ def test_step_memory_counts_buffers_once_frees_after_the_last_read_and_holds_unr
     assert step.peak_bytes == 512 and step.peak_node.name == "n4" and step.exact
 
 
+def test_a_view_that_is_a_graph_output_is_a_copy():
+    """x[4,8] -> a=Relu(x) (128 B) -> b=Reshape(a): returned, b is a buffer of its own
+    (ORT copies a returned view; docs/design/ort-facts.md), and a dies after the Reshape
+    and its other reader."""
+    x = oh.make_tensor_value_info("x", F, [4, 8])
+    shape = oh.make_tensor("shape", onnx.TensorProto.INT64, [2], [8, 4])
+    nodes = [oh.make_node("Relu", ["x"], ["a"], name="relu"), oh.make_node("Reshape", ["a", "shape"], ["b"], name="view"),
+             oh.make_node("Neg", ["b"], ["y"], name="neg")]
+    returned = predict_step_memory(_graph(nodes, [x], [oh.make_tensor_value_info(n, F, [8, 4]) for n in ("b", "y")], [shape]))
+    assert [n.name for n in returned.nodes] == ["relu", "view", "neg"]
+    assert returned.live.tolist() == [128, 256, 256]  # a; a and its copy b; b and y (a freed)
+    internal = predict_step_memory(_graph(nodes, [x], [oh.make_tensor_value_info("y", F, [8, 4])], [shape]))
+    assert internal.live.tolist() == [128, 128, 256]  # b shares a's buffer until y is written
+
+
 def _graph(nodes, inputs, outputs, initializers=()) -> ir.Model:
     graph = oh.make_graph(nodes, "g", inputs, outputs, list(initializers))
     proto = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)], ir_version=8)

@@ -4,8 +4,9 @@ Rule (the allocation ONNX Runtime 1.19.2 and 1.31 make for ortpass's sessions, w
 memory reuse and memory patterns off -- ``ortpass.runtime.session``): graph order is the
 execution order; each node's outputs are allocated when it runs; a value is freed after its
 last reader, a view (:data:`~ortpass.analysis.memory.ALIAS_OPS`) holding its buffer alive
-as a reader would; graph outputs, and values nobody reads, are held to the step's end
-(ORT never frees a value without a reader).  Graph inputs and initializers (weights, the
+as a reader would, except that a view that is a graph output is a copy, allocated when it
+runs (docs/design/ort-facts.md); graph outputs, and values nobody reads, are held to the
+step's end (ORT never frees a value without a reader).  Graph inputs and initializers (weights, the
 batch) are the baseline the step starts from and are not counted: the prediction is the
 step's peak *above* them, what the benchmarks measure as step peak.  A registered
 recomputable PythonOp's ctx output holds what its Function saved (its tensor inputs that
@@ -89,7 +90,7 @@ def predict_step_memory(
             dims = {**dims, **memory.bind_internal_dims(model, dims, internal)}
             bounded = _bound_data_dependent_dims(model, dims, internal - set(dims))
             dims = {**dims, **bounded}
-    buffers = memory.BufferMap(lambda node: memory.is_alias_node(node) or _fused_into_matmul(node))
+    buffers = memory.BufferMap(lambda node: _view_ort_keeps(node) or _fused_into_matmul(node))
     sizes = ValueSizes(buffers, _buffers_backward_reads(model, nodes, buffers), min_elements=0)
     position = {node: i for i, node in enumerate(nodes)}
     end = len(nodes) - 1
@@ -174,6 +175,13 @@ def _constant(value: ir.Value | None, folded: set[ir.Node]) -> bool:
 
 def _has_subgraph(node: ir.Node) -> bool:
     return any(attr.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for attr in node.attributes.values())
+
+
+def _view_ort_keeps(node: ir.Node) -> bool:
+    """A view op whose output shares its input's buffer in ORT: not a graph output, which
+    ORT gives a buffer of its own (measured with ``Reshape`` on ORT 1.19.2 and 1.32.0:
+    196 MiB of logits returned through a Reshape peaked at 391-392 MiB)."""
+    return memory.is_alias_node(node) and not node.outputs[0].is_graph_output()
 
 
 def _fused_into_matmul(node: ir.Node) -> bool:
