@@ -229,6 +229,7 @@ def run(families: list[str], seq: int, steps: int, only: list[str] | None = None
         "model": {"layers": LAYERS, "hidden": HIDDEN, "heads": HEADS, "vocab": VOCAB, "batch": BATCH, "seq": seq,
                   "llama_mlp": LLAMA_MLP},
         "cpus": os.cpu_count(),
+        "cpu_model": rm.cpu_model(),
         "steps_timed": steps,
         "timing_rounds": rounds,
         "load_average_before": os.getloadavg(),
@@ -294,7 +295,7 @@ def markdown(results: dict) -> str:
         "",
         f"{m['layers']} layers, hidden {m['hidden']}, {m['heads']} heads, vocab {m['vocab']}, batch {m['batch']}, "
         f"seq {m['seq']} (LLaMA MLP {m['llama_mlp']}); attention_mask of ones; one training step on CPU "
-        f"({results['cpus']} cores). Step peak above the RSS after setup and a warm-up step, each configuration "
+        f"({results['cpus']} cores of {results.get('cpu_model', 'an unrecorded CPU')}). Step peak above the RSS after setup and a warm-up step, each configuration "
         f"in a fresh process; step time: fastest of {results['steps_timed']} warm steps in another fresh process "
         "with the settings a user runs (no mmap threshold; ORT with TrainingSession's options), the fastest of "
         f"{results.get('timing_rounds', 1)} such processes a row, timed in rounds over every row in alternating order. "

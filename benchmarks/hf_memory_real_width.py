@@ -422,6 +422,7 @@ def run(families: list[str], seq: int, steps: int, only: list[str] | None = None
         "seq": seq,
         "tiny": TINY,
         "cpus": os.cpu_count(),
+        "cpu_model": rm.cpu_model(),
         "steps_timed": steps,
         "timing_rounds": rounds,
         "versions": _versions(),
@@ -480,7 +481,7 @@ def markdown(results: dict) -> str:
         (f"GPT-2: {g['layers']} layers, hidden {g['hidden']}, {g['heads']} heads, vocab {g['vocab']}, dropout 0.1. "
         f"LLaMA: {lm['layers']} layers, hidden {lm['hidden']}, {lm['heads']} heads, MLP {lm['mlp']}, vocab "
         f"{lm['vocab']} (LLaMA-3's). Batch {results['batch']}, seq {results['seq']}, attention_mask of ones, labels = "
-        f"input_ids{_masked(results)}; {_runtime(results)}; one training step on CPU ({results['cpus']} cores), gradients allocated by the step. Step peak "
+        f"input_ids{_masked(results)}; {_runtime(results)}; one training step on CPU ({results['cpus']} cores of {results.get('cpu_model', 'an unrecorded CPU')}), gradients allocated by the step. Step peak "
         "above the RSS after setup and a warm-up step, each configuration in a fresh process (glibc mmap threshold "
         f"64 KiB, ORT's arena off); step time: fastest of {results['steps_timed']} warm steps in another fresh process "
         f"with the settings a user runs, the fastest of {results.get('timing_rounds', 1)} such processes a row, timed "

@@ -417,6 +417,21 @@ def _run_config(*args: str, script: str = __file__, python: str | None = None) -
     return {**memory, **times, "memory_run_step_seconds": memory["step_seconds"]}
 
 
+def cpu_model() -> str:
+    """The CPU's model name as ``/proc/cpuinfo`` gives it.  Recorded because the shared
+    machine is not always the same CPU: on 2026-11-28 it was an "Intel(R) Xeon(R)
+    Processor" (AVX-512) where the docs had an AMD EPYC, and step-time ratios between ORT
+    and torch moved with it (docs/performance.md)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
 def more_timing_rounds(configs: dict[str, dict], timers: dict[str, Callable[[], dict]], rounds: int) -> None:
     """Time each configuration in ``timers`` ``rounds - 1`` more times, each round in the
     order reversed from the round before (A B C, C B A, A B C), each time in a fresh
