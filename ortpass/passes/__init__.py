@@ -6,6 +6,7 @@ from ortpass.passes.accumulate_gradients_early import AccumulateGradientsEarlyPa
 from ortpass.passes.build_training_graph import BuildTrainingGraphPass
 from ortpass.passes.check_index_ranges import CheckIndexRangesPass
 from ortpass.passes.chunk_lm_head_loss import ChunkLmHeadLossPass
+from ortpass.passes.expand_fast_gelu_grad import ExpandFastGeluGradPass
 from ortpass.passes.fix_dropout_seed import FixDropoutSeedPass
 from ortpass.passes.insert_gather_before_sce_loss import InsertGatherBeforeSceLossPass
 from ortpass.passes.onnxscript_optimize import OnnxscriptOptimizePass
@@ -18,7 +19,7 @@ from ortpass.passes.recompute_silu_sigmoid import RecomputeSiluSigmoidPass
 from ortpass.passes.replay_dropout_mask import ReplayDropoutMaskPass
 from ortpass.passes.scatter_embedding_gradient import ScatterEmbeddingGradientPass
 
-__all__ = ["CREATED_BY_KEY", "DEFAULT_PIPELINE", "AccumulateGradientsEarlyPass", "BuildTrainingGraphPass", "CheckIndexRangesPass", "ChunkLmHeadLossPass", "FixDropoutSeedPass", "InsertGatherBeforeSceLossPass", "OnnxscriptOptimizePass", "OrderBackwardJoinsPass", "OrtFunctionalPass", "OrtPass", "PythonOpShapeInferencePass", "RecomputeAgainLatePass", "RecomputeGateActivationPass", "RecomputePass", "RecomputeSiluSigmoidPass", "ReplayDropoutMaskPass", "ScatterEmbeddingGradientPass"]
+__all__ = ["CREATED_BY_KEY", "DEFAULT_PIPELINE", "AccumulateGradientsEarlyPass", "BuildTrainingGraphPass", "CheckIndexRangesPass", "ChunkLmHeadLossPass", "ExpandFastGeluGradPass", "FixDropoutSeedPass", "InsertGatherBeforeSceLossPass", "OnnxscriptOptimizePass", "OrderBackwardJoinsPass", "OrtFunctionalPass", "OrtPass", "PythonOpShapeInferencePass", "RecomputeAgainLatePass", "RecomputeGateActivationPass", "RecomputePass", "RecomputeSiluSigmoidPass", "ReplayDropoutMaskPass", "ScatterEmbeddingGradientPass"]
 
 #: What ``ortpass optimize``, ``ortpass.ORTModule`` and the golden suite run without ``--pipeline``: every built-in pass (the manager
 #: orders them from their declarations), recompute at ORTModule's layer-wise level 1 with
@@ -27,9 +28,10 @@ __all__ = ["CREATED_BY_KEY", "DEFAULT_PIPELINE", "AccumulateGradientsEarlyPass",
 #: (faster on CPU at every flagged density; benchmarks/sce_gather.py), the head and loss in
 #: vocabulary slices where the logits outgrow one slice, and a tied embedding's gradient
 #: rows scattered into the head's (benchmarks/hf_memory_real_width.py); labels and
-#: embedding ids that torch refuses are refused on ORT too.
+#: embedding ids that torch refuses are refused on ORT too; ORT's slow ``FastGeluGrad``
+#: kernel is written out in element-wise ops.
 DEFAULT_PIPELINE = (
     "pythonop-shape-inference,insert-gather-before-sce-loss(move_above_projection=True),build-training-graph,"
-    "chunk-lm-head-loss,check-index-ranges,accumulate-gradients-early,scatter-embedding-gradient,fix-dropout-seed(level=1),recompute(level=1),"
+    "expand-fast-gelu-grad,chunk-lm-head-loss,check-index-ranges,accumulate-gradients-early,scatter-embedding-gradient,fix-dropout-seed(level=1),recompute(level=1),"
     "replay-dropout-mask,recompute-gate-activation,recompute-silu-sigmoid,order-backward-joins,recompute-again-late"
 )
