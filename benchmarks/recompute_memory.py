@@ -421,7 +421,8 @@ def cpu_model() -> str:
     """The CPU's model name as ``/proc/cpuinfo`` gives it.  Recorded because the shared
     machine is not always the same CPU: on 2026-11-28 it was an "Intel(R) Xeon(R)
     Processor" (AVX-512) where the docs had an AMD EPYC, and step-time ratios between ORT
-    and torch moved with it (docs/performance.md)."""
+    and torch differed from an earlier record's by more than the drift between runs
+    (docs/performance.md)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
