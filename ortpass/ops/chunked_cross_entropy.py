@@ -31,21 +31,17 @@ index named, as ``SoftmaxCrossEntropyLoss`` fails on it.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from typing import Literal
 
 import numpy as np
 import onnx_ir as ir
 
-from ortpass.analysis.partition import tag
 from ortpass.conventions import INDEX_CHECK_PREFIX
 from ortpass.graph.names import NameAllocator
+from ortpass.ops.node_writer import NodeWriter
 
 __all__ = ["ChunkedLossValues", "HeadLoss", "vocab_slices", "write_chunked_loss"]
 
-# ReduceSum, and the other reductions (ReduceMax, ReduceLogSumExp), take their axes as an input from these opsets on.
-_REDUCE_SUM_AXES_INPUT_OPSET = 13
-_REDUCE_AXES_INPUT_OPSET = 18
 # ScatterND sums repeated indices (reduction="add") from this opset on.
 _SCATTER_ADD_OPSET = 16
 
@@ -97,50 +93,9 @@ class ChunkedLossValues:
     bias_grad: ir.Value | None = None
 
 
-class _Writer:
-    """Appends named, tagged nodes to one side's list."""
-
-    def __init__(self, names: NameAllocator, prefix: str, opset: int) -> None:
-        self.names, self.prefix, self.opset = names, prefix, opset
-        self.side: Literal["forward", "backward"] = "forward"
-        self.sides: dict[str, list[ir.Node]] = {"forward": [], "backward": []}
-
-    def op(
-        self, op_type: str, inputs: Sequence[ir.Value | None], attributes: dict | None = None, *, name: str,
-        shape: Sequence | None = None, dtype: ir.DataType | None = None,
-    ) -> ir.Value:  # fmt: skip
-        """One node; ``shape`` and ``dtype`` recorded on its output (the analyses that run
-        later size stashed values from them)."""
-        node = ir.node(op_type, list(inputs), attributes or {}, name=self.names.fresh(f"{self.prefix}/{name}"))
-        out = node.outputs[0]
-        out.name = self.names.fresh(f"{node.name}_output")
-        if shape is not None:
-            out.shape = ir.Shape(list(shape))
-        out.dtype = dtype
-        self.sides[self.side].append(tag(node, self.side))
-        return out
-
-    def const(self, array: np.ndarray, name: str) -> ir.Value:
-        return self.op("Constant", [], {"value": ir.tensor(array)}, name=name, shape=array.shape, dtype=ir.DataType.from_numpy(array.dtype))
-
-    def ints(self, values: Sequence[int], name: str) -> ir.Value:
-        return self.const(np.array(values, dtype=np.int64), name)
-
-    def reduce(self, op_type: str, x: ir.Value, axes: Sequence[int] | None, name: str) -> ir.Value:
-        """``op_type`` over ``axes`` (kept, as size 1) or over every axis (None: a scalar),
-        the axes given as the model's opset wants them."""
-        if axes is None:
-            return self.op(op_type, [x], {"keepdims": 0}, name=name, shape=[], dtype=x.dtype)
-        shape = [1 if i in axes else d for i, d in enumerate(x.shape)]
-        as_input_from = _REDUCE_SUM_AXES_INPUT_OPSET if op_type == "ReduceSum" else _REDUCE_AXES_INPUT_OPSET
-        if self.opset >= as_input_from:
-            return self.op(op_type, [x, self.ints(axes, f"{name}_axes")], {"keepdims": 1}, name=name, shape=shape, dtype=x.dtype)
-        return self.op(op_type, [x], {"axes": list(axes), "keepdims": 1}, name=name, shape=shape, dtype=x.dtype)
-
-
 def write_chunked_loss(head: HeadLoss, chunk: int, names: NameAllocator, *, prefix: str, opset: int) -> ChunkedLossValues:
     """Write the forward and backward of the chunked loss (see the module docstring)."""
-    w = _Writer(names, prefix, opset)
+    w = NodeWriter(names, prefix, opset)
     f, i64, b = head.dtype, ir.DataType.INT64, ir.DataType.BOOL
     n = head.rows if head.row_indices is None else head.labels.shape[0]
     hidden_size = head.weight.shape[1 if head.weight_rows_are_vocab else 0]
@@ -270,7 +225,7 @@ def write_chunked_loss(head: HeadLoss, chunk: int, names: NameAllocator, *, pref
     return ChunkedLossValues(w.sides["forward"], w.sides["backward"], loss, hidden_grad, weight_grad, bias_grad)
 
 
-def _logsumexp(w: _Writer, x: ir.Value, name: str) -> ir.Value:
+def _logsumexp(w: NodeWriter, x: ir.Value, name: str) -> ir.Value:
     """``log(sum(exp(x)))`` over axis 1, kept: ``max + log(sum(exp(x - max)))``.  Written
     out because ORT's ``ReduceLogSumExp`` took 2.6x as long as these five nodes on a
     slice of logits (0.26 s against 0.10 s over 1024 x 128256; ORT 1.19.2, 2 cores)."""
@@ -282,7 +237,7 @@ def _logsumexp(w: _Writer, x: ir.Value, name: str) -> ir.Value:
     return w.op("Add", [logs, top], name=name, shape=list(sums.shape), dtype=x.dtype)
 
 
-def _minus_onehot(w: _Writer, scaled: ir.Value, target: ir.Value, row_grad: ir.Value, start: int, width: int, i: int) -> ir.Value:
+def _minus_onehot(w: NodeWriter, scaled: ir.Value, target: ir.Value, row_grad: ir.Value, start: int, width: int, i: int) -> ir.Value:
     """``scaled - row_grad * onehot(target)`` on the slice ``[start, start + width)``.
 
     Only the label's own column changes, so it is read, changed and written back per row
@@ -302,7 +257,7 @@ def _minus_onehot(w: _Writer, scaled: ir.Value, target: ir.Value, row_grad: ir.V
     return w.op("ScatterElements", [scaled, index, written], {"axis": 1}, name=f"logits_grad{i}", shape=list(scaled.shape), dtype=f)
 
 
-def _scatter_rows(w: _Writer, grad: ir.Value, head: HeadLoss) -> ir.Value:
+def _scatter_rows(w: NodeWriter, grad: ir.Value, head: HeadLoss) -> ir.Value:
     """The gradient of every row of ``head.hidden``: ``grad`` (the loss rows') in its
     ``row_indices`` rows, zeros in the others (the gradient of the rows' Gather)."""
     every_row = list(head.hidden.shape)

@@ -42,11 +42,12 @@ import math
 import numpy as np
 import onnx_ir as ir
 
-from ortpass.analysis.partition import is_backward, tag
+from ortpass.analysis.partition import is_backward
 from ortpass.conventions import MS_DOMAIN
 from ortpass.graph.names import NameAllocator
 from ortpass.infra.base import OrtPass
 from ortpass.infra.registry import register_pass
+from ortpass.ops.node_writer import NodeWriter
 
 __all__ = ["ExpandFastGeluGradPass"]
 
@@ -78,7 +79,7 @@ class ExpandFastGeluGradPass(OrtPass):
         if found:
             names = NameAllocator.of_graph(graph)
             for node in found:
-                _expand(graph, names, node)
+                _expand(graph, names, node, model.opset_imports.get("", 0))
                 self.count("gelu gradients expanded")
         return ir.passes.PassResult(model, modified=bool(found))
 
@@ -90,48 +91,31 @@ def _expandable(node: ir.Node) -> bool:
     return node.inputs[1].dtype in _FLOATS and node.outputs[0].dtype in (None, node.inputs[1].dtype)
 
 
-class _Writer:
-    """Backward-tagged nodes inserted before ``at``, each output typed like ``like``."""
-
-    def __init__(self, graph: ir.Graph, names: NameAllocator, at: ir.Node, like: ir.Value) -> None:
-        self.graph, self.names, self.at, self.like = graph, names, at, like
-        self.dtype = like.dtype
-        assert self.dtype is not None  # _expandable checked it
-
-    def op(self, op_type: str, *inputs: ir.Value, name: str) -> ir.Value:
-        node = tag(ir.node(op_type, list(inputs), name=self.names.fresh(f"{self.at.name}/{name}")), "backward")
-        out = node.outputs[0]
-        out.name = self.names.fresh(f"{node.name}_output")
-        out.dtype = self.dtype
-        out.shape = self.like.shape.copy() if self.like.shape is not None else None
-        self.graph.insert_before(self.at, node)
-        return out
-
-    def scalar(self, value: float, name: str) -> ir.Value:
-        array = np.array(value, dtype=self.dtype.numpy())
-        node = tag(ir.node("Constant", [], {"value": ir.tensor(array)}, name=self.names.fresh(f"{self.at.name}/{name}")), "backward")
-        out = node.outputs[0]
-        out.name, out.dtype, out.shape = self.names.fresh(f"{node.name}_output"), self.dtype, ir.Shape([])
-        self.graph.insert_before(self.at, node)
-        return out
-
-
-def _expand(graph: ir.Graph, names: NameAllocator, node: ir.Node) -> None:
-    """Write the formula before ``node``, in an order where each temporary dies soon after it
-    is made, and give ``node``'s readers its result."""
+def _expand(graph: ir.Graph, names: NameAllocator, node: ir.Node, opset: int) -> None:
+    """Write the formula before ``node`` and give ``node``'s readers its result."""
     dy, x = node.inputs[0], node.inputs[1]
-    w = _Writer(graph, names, node, x)
+    dtype, shape = x.dtype, x.shape
+    w = NodeWriter(names, node.name, opset)
+    w.side = "backward"
+
+    def op(op_type: str, *inputs: ir.Value, name: str) -> ir.Value:
+        return w.op(op_type, inputs, name=name, shape=shape, dtype=dtype)
+
+    def scalar(value: float, name: str) -> ir.Value:
+        return w.const(np.array(value, dtype=dtype.numpy()), name)
+
     if node.op_type == "BiasFastGeluGrad_dX":
-        x = w.op("Add", x, node.inputs[2], name="biased")
-    x2 = w.op("Mul", x, x, name="x_squared")
-    two_u = w.op("Mul", x, w.op("Add", w.op("Mul", x2, w.scalar(2 * _B, "two_b"), name="two_b_x2"), w.scalar(2 * _A, "two_a"), name="two_slope"), name="two_u")
-    one = w.scalar(1.0, "one")
-    sigmoid = w.op("Reciprocal", w.op("Add", w.op("Exp", w.op("Neg", two_u, name="minus_two_u"), name="exp_minus"), one, name="one_plus_exp_minus"), name="sigmoid")
-    sigmoid_of_minus = w.op("Reciprocal", w.op("Add", w.op("Exp", two_u, name="exp_plus"), one, name="one_plus_exp_plus"), name="sigmoid_of_minus")
+        x = op("Add", x, node.inputs[2], name="biased")
+    x2 = op("Mul", x, x, name="x_squared")
+    two_u = op("Mul", x, op("Add", op("Mul", x2, scalar(2 * _B, "two_b"), name="two_b_x2"), scalar(2 * _A, "two_a"), name="two_slope"), name="two_u")
+    one = scalar(1.0, "one")
+    sigmoid = op("Reciprocal", op("Add", op("Exp", op("Neg", two_u, name="minus_two_u"), name="exp_minus"), one, name="one_plus_exp_minus"), name="sigmoid")
+    sigmoid_of_minus = op("Reciprocal", op("Add", op("Exp", two_u, name="exp_plus"), one, name="one_plus_exp_plus"), name="sigmoid_of_minus")
     # 2 X (a + 3 b X^2): the tanh term's factor, its 0.5 and the 4 of 4 s (1 - s) folded in
-    outer = w.op("Mul", x, w.op("Add", w.op("Mul", x2, w.scalar(6 * _B, "six_b"), name="six_b_x2"), w.scalar(2 * _A, "two_a_outer"), name="outer_slope"), name="outer")
-    tanh_term = w.op("Mul", w.op("Mul", outer, sigmoid, name="outer_sigmoid"), sigmoid_of_minus, name="tanh_term")
-    dx = w.op("Mul", dy, w.op("Add", sigmoid, tanh_term, name="derivative"), name="dx")
+    outer = op("Mul", x, op("Add", op("Mul", x2, scalar(6 * _B, "six_b"), name="six_b_x2"), scalar(2 * _A, "two_a_outer"), name="outer_slope"), name="outer")
+    tanh_term = op("Mul", op("Mul", outer, sigmoid, name="outer_sigmoid"), sigmoid_of_minus, name="tanh_term")
+    dx = op("Mul", dy, op("Add", sigmoid, tanh_term, name="derivative"), name="dx")
+    graph.insert_before(node, w.sides["backward"])
     result = node.outputs[0]
     name = result.name
     ir.convenience.replace_all_uses_with(result, dx, replace_graph_outputs=True)
