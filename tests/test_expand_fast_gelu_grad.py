@@ -83,6 +83,20 @@ def test_the_gradient_is_written_in_onnx_ops_equal_to_orts_kernel_and_torchs(op)
     assert np.abs(dx - exact).max() <= np.abs(kernel_dx - exact).max()  # no less accurate than ORT's kernel
 
 
+@pytest.mark.parametrize("op", ["FastGeluGrad", "BiasFastGeluGrad_dX"])
+def test_at_most_three_temporaries_the_size_of_x_are_alive_at_once_in_orts_order(op):
+    """ORT's kernel holds only its output; the expansion's chain is ordered so that ORT's
+    walk holds no more than three of its tensors at once (an earlier form held four, and
+    raised GPT-2's step peak by three MLP-sized tensors).  The graph's own ``y = -dx``
+    holds two, so the peak is the chain's."""
+    from ortpass.analysis.step_memory import predict_step_memory
+
+    x_bytes = 4 * int(np.prod(SHAPE))
+    assert predict_step_memory(_gradient_graph(op)).peak_bytes == 2 * x_bytes  # dx and y
+    expanded = ExpandFastGeluGradPass()(_gradient_graph(op)).model
+    assert predict_step_memory(expanded).peak_bytes == 3 * x_bytes
+
+
 @pytest.mark.parametrize(
     "model",
     [
@@ -125,3 +139,21 @@ def test_gpt2s_training_graph_has_no_fast_gelu_grad_left_and_trains_like_torch(m
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
     for (name, ours), theirs in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("providers", ["cuda", ["CUDAExecutionProvider", "CPUExecutionProvider"]])
+def test_ortmodule_leaves_the_expansion_out_of_its_default_pipeline_for_cuda(providers):
+    """ORT's CUDA FastGeluGrad is one fused kernel: the wrapper's default pipeline for CUDA
+    keeps it, and keeps every other pass; on the CPU, and in a pipeline the user wrote, the
+    pass stays.  (The wrapper opens no session before its first step.)"""
+    import ortpass
+    from ortpass.infra.pipeline_text import parse_pipeline
+    from ortpass.passes import DEFAULT_PIPELINE
+
+    names = lambda spec: [s.name for s in parse_pipeline(spec)]  # noqa: E731
+    on_cuda = names(ortpass.ORTModule(torch.nn.Linear(2, 2), providers=providers).pipeline)
+    assert on_cuda == [n for n in names(DEFAULT_PIPELINE) if n != "expand-fast-gelu-grad"]
+    assert "expand-fast-gelu-grad" in names(ortpass.ORTModule(torch.nn.Linear(2, 2)).pipeline)
+    assert "expand-fast-gelu-grad" in names(ortpass.ORTModule(torch.nn.Linear(2, 2), providers="cpu").pipeline)
+    written = "build-training-graph,expand-fast-gelu-grad"
+    assert ortpass.ORTModule(torch.nn.Linear(2, 2), pipeline=written, providers=providers).pipeline == written
