@@ -8,7 +8,7 @@ import pytest
 from ortpass import pipeline
 from ortpass.errors import PassOrderingError, PipelineSpecError
 from ortpass.infra.base import OrtPass
-from ortpass.infra.pipeline_text import PassSpec, parse_pipeline
+from ortpass.infra.pipeline_text import PassSpec, parse_pipeline, without_passes
 
 
 class ScalePass(OrtPass):
@@ -135,3 +135,10 @@ def test_a_pass_refusing_its_options_with_an_ortpass_error_is_named():
     # must also say which pass, at which position, got it.
     with pytest.raises(PipelineSpecError, match=r"pass 'recompute' \(position \d+\) rejected its options .*PlanError"):
         pipeline("fix-dropout-seed,recompute(plans='Gelu+:9:-1')")
+
+
+def test_without_passes_drops_the_named_passes_and_keeps_the_others_as_written():
+    spec = "a(x=1, y='b,c'), b ,c(z=[1, 2])"
+    assert without_passes(spec, {"b"}) == "a(x=1, y='b,c'),c(z=[1, 2])"
+    assert without_passes(spec, {"d"}) == "a(x=1, y='b,c'),b,c(z=[1, 2])"
+    assert without_passes(spec, {"a", "b", "c"}) == ""

@@ -30,7 +30,7 @@ _OPTION_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _SCALARS = (bool, int, float, str, type(None))
 _CLOSING = {"(": ")", "[": "]", "{": "}"}
 
-__all__ = ["PassSpec", "parse_pipeline", "passes_from_text", "passes_of_phase", "pipeline"]
+__all__ = ["PassSpec", "parse_pipeline", "passes_from_text", "passes_of_phase", "pipeline", "without_passes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,13 +235,19 @@ def passes_from_text(spec: str) -> list[ir.passes.PassBase]:
 def passes_of_phase(spec: str, phase: str) -> str:
     """The text of ``spec``'s passes whose ``phase`` is ``phase``, in the order written
     (e.g. the post-grad part of a pipeline, for a training graph built another way)."""
+    return ",".join(text for s, text in _pass_texts(spec) if getattr(get_pass(s.name), "phase", "any") == phase)
+
+
+def _pass_texts(spec: str) -> list[tuple[PassSpec, str]]:
+    """Each pass of ``spec`` with its text as written (options included)."""
     specs = parse_pipeline(spec)
     ends = [s.position for s in specs[1:]] + [len(spec)]
-    return ",".join(
-        spec[s.position : end].strip().rstrip(",")
-        for s, end in zip(specs, ends)
-        if getattr(get_pass(s.name), "phase", "any") == phase
-    )
+    return [(s, spec[s.position : end].strip().rstrip(",").rstrip()) for s, end in zip(specs, ends)]
+
+
+def without_passes(spec: str, names: set[str] | frozenset[str]) -> str:
+    """The text of ``spec`` without the passes named in ``names``, the others as written."""
+    return ",".join(text for s, text in _pass_texts(spec) if s.name not in names)
 
 
 def pipeline(spec: str, **manager_kwargs: Any) -> PassManager:
@@ -271,15 +277,14 @@ def with_memory_budget(spec: str, budget: Any) -> str:
     if not any(s.name == "recompute" for s in specs):
         raise PipelineSpecError(f"a memory budget needs a recompute pass in the pipeline, and {_quote_around(spec, 0)} has none")
     seeded = any(s.name == "fix-dropout-seed" for s in specs)
-    ends = [s.position for s in specs[1:]] + [len(spec)]
     parts = []
-    for s, end in zip(specs, ends):
+    for s, written in _pass_texts(spec):
         if s.name == "chunk-lm-head-loss" and "chunk" not in s.options:
             options = {**s.options, "budget": budget}  # its width too, unless given; logits_last kept
             parts.append("chunk-lm-head-loss(" + ",".join(f"{k}={v!r}" for k, v in options.items()) + ")")
             continue
         if s.name not in ("recompute", "fix-dropout-seed"):
-            parts.append(spec[s.position : end].strip().rstrip(","))
+            parts.append(written)
             continue
         options = {k: v for k, v in s.options.items() if k not in _PLAN_OPTIONS}
         options["budget"] = budget

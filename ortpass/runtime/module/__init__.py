@@ -82,8 +82,9 @@ class ORTModule(GraphBuilding, torch.nn.Module):
             a structure with a ``loss`` field: a transformers ``ModelOutput``), or outputs
             from which the loop computes the loss in torch.
         pipeline: the ortpass pipeline spec for training graphs (default: the one
-            ``ortpass optimize`` runs, recompute level 1 included); it must build the
-            training graph (``build-training-graph``).
+            ``ortpass optimize`` runs, recompute level 1 included, without
+            ``expand-fast-gelu-grad`` where ``providers`` name CUDA: that pass replaces
+            a slow CPU kernel); it must build the training graph (``build-training-graph``).
         cache_dir: where built graphs are kept, keyed on the module's structure and
             parameter names/shapes, the input schema, the pipeline and the versions of
             torch, onnx, onnxruntime and ortpass; another process loads instead of exporting.
@@ -171,6 +172,10 @@ class ORTModule(GraphBuilding, torch.nn.Module):
             from ortpass.passes import DEFAULT_PIPELINE
 
             pipeline = DEFAULT_PIPELINE
+            if _names_cuda(providers):
+                from ortpass.infra.pipeline_text import without_passes
+
+                pipeline = without_passes(pipeline, {"expand-fast-gelu-grad"})  # ORT's CUDA kernel is one fused kernel
         self.budget_fit: BudgetFit | None = None
         if memory_budget is not None:
             from ortpass.analysis.recompute.budget import parse_budget
@@ -313,3 +318,10 @@ def _refuse_autocast(module: torch.nn.Module, tensors: list[torch.Tensor]) -> No
             "parameters' dtype and ignore it; call the module outside autocast, or convert the model "
             "(model.to(torch.bfloat16)) before wrapping it"
         )
+
+
+def _names_cuda(providers: Any) -> bool:
+    """Whether ``providers`` (as :class:`~ortpass.runtime.TrainingSession` takes them) run on CUDA."""
+    if providers is None or isinstance(providers, str):
+        return providers == "cuda"
+    return "CUDAExecutionProvider" in list(providers)
