@@ -73,6 +73,7 @@ _B = 0.044715 * _A
 # at 9 it is 1 + 2e-27), and with X clipped there q e stays far inside float's range
 # (e <= exp(66.4), |q e| <= 1.3e31).
 _X_SATURATED = 9.0
+_CLIP_BOUNDS_INPUT_OPSET = 11  # Clip takes min and max as inputs from it on, as attributes before
 
 
 @register_pass("expand-fast-gelu-grad")
@@ -123,7 +124,10 @@ def _expand(graph: ir.Graph, names: NameAllocator, node: ir.Node, opset: int) ->
     # One chain, each node reading the one before it and at most one other temporary, so
     # that no more than three temporaries the size of X are alive at once in ORT's order
     # (module docstring, "Memory").
-    x = op("Clip", x, scalar(-_X_SATURATED, "x_min"), scalar(_X_SATURATED, "x_max"), name="x_clipped")
+    if opset >= _CLIP_BOUNDS_INPUT_OPSET:
+        x = op("Clip", x, scalar(-_X_SATURATED, "x_min"), scalar(_X_SATURATED, "x_max"), name="x_clipped")
+    else:
+        x = w.op("Clip", [x], {"min": -_X_SATURATED, "max": _X_SATURATED}, name="x_clipped", shape=shape, dtype=dtype)
     # Written before q's chain, so that ORT's order (a reader's latest-written input first)
     # computes it after q, not alive through q's chain.
     four_a_x = op("Mul", x, scalar(4 * _A, "four_a"), name="four_a_x")
