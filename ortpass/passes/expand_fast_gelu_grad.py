@@ -4,7 +4,7 @@ runs several times as fast.
 ORT fuses the tanh approximation of GELU (GPT-2's ``gelu_new``) into ``FastGelu`` before it
 builds the gradient, and differentiates it with ``com.microsoft::FastGeluGrad``.  ORT
 1.19.2's CPU kernel for it computes one element at a time: 86 ms on 1024 x 3072 floats,
-against 19 ms for the ops below and 5 ms for torch's kernel (2 cores, Intel Xeon; ORT's
+against 19 ms for the first form of the ops below and 5 ms for torch's kernel (2 cores, Intel Xeon; ORT's
 ``GeluGrad``, the erf form, takes 16 ms), so about 1 s of GPT-2 small's step at batch
 2 x 512 (docs/performance.md).  On an AMD EPYC: 67 ms against 12-13 ms.
 
