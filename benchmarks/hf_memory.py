@@ -40,7 +40,7 @@ Usage: ``python benchmarks/hf_memory.py [--models gpt2 llama] [--seq 512] [--ste
 Writes ``hf_memory[_seq<N>].json`` and ``.md`` next to this script (``_<model>`` added for
 one model alone).
 
-``--real-width [--seq 512|2048] [--models gpt2 llama] [--steps N] [--only KEY ...]`` runs
+``--real-width [--seq 512|2048] [--models gpt2 llama] [--steps N] [--keep-output] [--only KEY ...]`` runs
 ``hf_memory_real_width.py`` instead: GPT-2 small and a LLaMA with LLaMA-3's vocabulary at
 real width, ORTModule against torch + checkpointing and Cut Cross-Entropy (issue #35).
 """

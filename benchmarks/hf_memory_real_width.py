@@ -16,7 +16,10 @@ input_ids``.  A prepare child saves the weights (``state_dict``) and the batch; 
 configuration child loads them, so all see the same weights and batch.  One step:
 ``p.grad = None`` for every parameter (``optimizer.zero_grad()``: the step allocates its
 gradients, in torch and in the wrapper alike), ``loss = model(**batch).loss``,
-``loss.backward()``; the first step's loss is recorded.
+``loss.backward()``; the first step's loss is recorded.  The loop keeps the loss alone,
+as Hugging Face's Trainer does, so torch frees the logits before backward; with
+``--keep-output`` it holds the model's whole output through ``backward()``, as
+``outputs = model(**batch); outputs.loss.backward()`` does.
 
 Configurations: ORTModule with ortpass's default pipeline (the graph returns the logits
 too, as Hugging Face's output carries them); the same without ``chunk-lm-head-loss`` and
@@ -48,8 +51,8 @@ instruction tuning masks the prompt: the export then gathers the valid label row
 the loss.
 
 Usage: ``python benchmarks/hf_memory.py --real-width [--models gpt2 llama] [--seq 512]
-[--steps 4] [--rounds 3] [--masked-prompt F] [--only KEY ...]`` (or this script with the same
-arguments).  Writes ``hf_memory_real_width[_seq<N>][_masked<P>].json`` and ``.md`` next to
+[--steps 4] [--rounds 3] [--masked-prompt F] [--keep-output] [--only KEY ...]`` (or this script
+with the same arguments).  Writes ``hf_memory_real_width[_seq<N>][_masked<P>][_kept].json`` and ``.md`` next to
 this script (``_<model>`` added for one model alone, ``_stock`` when run with stock
 onnxruntime, where ORTModule builds the gradient with torch); ``--only`` and ``ORTPASS_BENCH_TINY=1`` (the smoke run: 2 layers,
 hidden 64, vocab 3000, seq 64) print and record nothing.
@@ -213,13 +216,23 @@ def _measure(step, steps: int) -> dict:
     return result
 
 
-def _training_step(model, forward, losses: list[float]):
+def _training_step(model, forward, losses: list[float], keep_output: bool = False):
+    """One step of a training loop over ``forward()``, which returns the model's output (a
+    Hugging Face output with ``loss``, or the loss itself).  The loop keeps the loss alone
+    through ``backward()``, as Hugging Face's Trainer does; with ``keep_output`` it holds the
+    whole output (the logits too) until ``backward()`` returns, as
+    ``outputs = model(**batch); outputs.loss.backward()`` does."""
+
     def step():
         for p in model.parameters():
             p.grad = None  # what optimizer.zero_grad() does: the step allocates its gradients
-        loss = forward()
+        output = forward()
+        loss = getattr(output, "loss", output)
+        if not keep_output:
+            output = None
         loss.backward()
         losses.append(float(loss))
+        del output
 
     return step
 
@@ -262,7 +275,7 @@ def _LossOnly(model):
     return LossOnly()
 
 
-def child_wrapper(work: Path, family: str, seq: int, key: str, steps: int) -> dict:
+def child_wrapper(work: Path, family: str, seq: int, key: str, steps: int, keep_output: bool = False) -> dict:
     import torch
 
     import ortpass
@@ -281,10 +294,7 @@ def child_wrapper(work: Path, family: str, seq: int, key: str, steps: int) -> di
     wrapped = ortpass.ORTModule(model, pipeline=pipeline, cache_dir=work / f"cache_{family}_{key}")
     said = _pass_messages("insert_gather_before_sce_loss", "chunk_lm_head_loss")
     losses: list[float] = []
-    if key == "wrapper_loss_only":
-        step = _training_step(wrapped, lambda: wrapped(**batch), losses)
-    else:
-        step = _training_step(wrapped, lambda: wrapped(**batch).loss, losses)
+    step = _training_step(wrapped, lambda: wrapped(**batch), losses, keep_output)
     torch.manual_seed(0)
     result = _measure(step, steps)
     result.update(loss=losses[0], graph_builds=wrapped.graph_builds, pipeline=wrapped.pipeline,
@@ -311,22 +321,22 @@ def _pass_messages(*modules: str) -> list[str]:
     return said
 
 
-def child_torch(work: Path, family: str, seq: int, key: str, steps: int) -> dict:
+def child_torch(work: Path, family: str, seq: int, key: str, steps: int, keep_output: bool = False) -> dict:
     if key != "torch_ckpt_cce":
-        return _torch_ckpt(work, family, seq, steps)
+        return _torch_ckpt(work, family, seq, steps, keep_output)
     try:
-        return _torch_ckpt_cce(work, family, seq, steps)
+        return _torch_ckpt_cce(work, family, seq, steps)  # its forward's output is the loss
     except Exception as exc:  # noqa: BLE001  the table shows "not run: <reason>"; the other rows still run
         return {"error": f"{type(exc).__name__}: {exc}"[:800]}
 
 
-def _torch_ckpt(work: Path, family: str, seq: int, steps: int) -> dict:
+def _torch_ckpt(work: Path, family: str, seq: int, steps: int, keep_output: bool = False) -> dict:
     import torch
 
     model, batch = _load(work, family, seq)
     model.gradient_checkpointing_enable()
     losses: list[float] = []
-    step = _training_step(model, lambda: model(**batch).loss, losses)
+    step = _training_step(model, lambda: model(**batch), losses, keep_output)
     torch.manual_seed(0)  # the same dropout draws as the CCE row's first step
     result = _measure(step, steps)
     result.update(loss=losses[0], torch_threads=torch.get_num_threads())
@@ -412,11 +422,12 @@ def _versions() -> dict:
 
 
 def run(families: list[str], seq: int, steps: int, only: list[str] | None = None, prompt: int = 0,
-        rounds: int = 1) -> dict:
+        rounds: int = 1, keep_output: bool = False) -> dict:
     """Every configuration (or those in ``only``) of each family: a memory run, then
     ``rounds`` timing runs in alternating order (``recompute_memory.more_timing_rounds``)."""
     results: dict = {
         "masked_prompt": prompt,
+        "keep_output": keep_output,
         "models": {"gpt2": GPT2, "llama": LLAMA},
         "batch": BATCH,
         "seq": seq,
@@ -439,7 +450,7 @@ def run(families: list[str], seq: int, steps: int, only: list[str] | None = None
                 if only and key not in only:
                     continue
                 print(f"[{family}] {label}", flush=True)
-                args = (kind, str(work), family, str(seq), key, str(steps))
+                args = (kind, str(work), family, str(seq), key, str(steps), *(["keep"] if keep_output else []))
                 measured = _config(key, *args)
                 entry["configs"][key] = {"label": label, **measured}
                 timers[key] = functools.partial(rm._run_child, *args, script=__file__, timing=True)
@@ -465,6 +476,13 @@ def _masked(results: dict) -> str:
     return f", the first {prompt} of each row -100 (a masked prompt)" if prompt else ""
 
 
+def _loop(results: dict) -> str:
+    if results.get("keep_output"):
+        return ("the loop holds the model's output (the logits too) through backward, as "
+                "`outputs = model(**batch); outputs.loss.backward()` does")
+    return "the loop keeps the loss alone through backward, as Hugging Face's Trainer does"
+
+
 def _cell(cfg: dict | None) -> str:
     if cfg is None:
         return "not run"
@@ -481,7 +499,7 @@ def markdown(results: dict) -> str:
         (f"GPT-2: {g['layers']} layers, hidden {g['hidden']}, {g['heads']} heads, vocab {g['vocab']}, dropout 0.1. "
         f"LLaMA: {lm['layers']} layers, hidden {lm['hidden']}, {lm['heads']} heads, MLP {lm['mlp']}, vocab "
         f"{lm['vocab']} (LLaMA-3's). Batch {results['batch']}, seq {results['seq']}, attention_mask of ones, labels = "
-        f"input_ids{_masked(results)}; {_runtime(results)}; one training step on CPU ({results['cpus']} cores of {results.get('cpu_model', 'an unrecorded CPU')}), gradients allocated by the step. Step peak "
+        f"input_ids{_masked(results)}; {_runtime(results)}; {_loop(results)}; one training step on CPU ({results['cpus']} cores of {results.get('cpu_model', 'an unrecorded CPU')}), gradients allocated by the step. Step peak "
         "above the RSS after setup and a warm-up step, each configuration in a fresh process (glibc mmap threshold "
         f"64 KiB, ORT's arena off); step time: fastest of {results['steps_timed']} warm steps in another fresh process "
         f"with the settings a user runs, the fastest of {results.get('timing_rounds', 1)} such processes a row, timed "
@@ -584,9 +602,9 @@ def main(argv: list[str] | None = None) -> None:
         if kind == "prepare":
             out = child_prepare(path, family, int(seq), int(rest[0]) if rest else 0)
         elif kind == "wrapper":
-            out = child_wrapper(path, family, int(seq), rest[0], int(rest[1]))
+            out = child_wrapper(path, family, int(seq), rest[0], int(rest[1]), rest[2:] == ["keep"])
         else:
-            out = child_torch(path, family, int(seq), rest[0], int(rest[1]))
+            out = child_torch(path, family, int(seq), rest[0], int(rest[1]), rest[2:] == ["keep"])
         print(json.dumps(out))
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -597,18 +615,22 @@ def main(argv: list[str] | None = None) -> None:
                         help="timing runs a configuration, in rounds over every configuration (default 3)")
     parser.add_argument("--masked-prompt", type=float, default=0.0, metavar="FRACTION",
                         help="labels -100 over this first fraction of each row (an instruction-tuning prompt)")
+    parser.add_argument("--keep-output", action="store_true",
+                        help="the loop holds the model's output (the logits) through backward, not the loss alone")
     parser.add_argument("--only", nargs="+", choices=[key for key, _, _ in CONFIGS],
                         help="run these configurations only; prints them and records nothing")
     args = parser.parse_args(argv)
     seq = TINY_SEQ if TINY else args.seq
     prompt = int(round(args.masked_prompt * seq))
-    results = run(args.models, seq, args.steps, args.only, prompt, args.rounds)
+    results = run(args.models, seq, args.steps, args.only, prompt, args.rounds, args.keep_output)
     if args.only or TINY:  # a partial or smoke run keeps the full run's record
         print(markdown(results))
         return
     stem = "hf_memory_real_width" if seq == 512 else f"hf_memory_real_width_seq{seq}"
     if prompt:
         stem += f"_masked{round(100 * args.masked_prompt)}"
+    if args.keep_output:
+        stem += "_kept"
     if results["versions"]["onnxruntime-training"] is None:  # stock onnxruntime: the torch builder
         stem += "_stock"
     if args.models != ["gpt2", "llama"]:
