@@ -25,6 +25,7 @@ import torch
 
 from ortpass.conventions import EXPORT_KEY, MAX_ORT_OPSET
 from ortpass.errors import ExportError
+from ortpass.export.error_text import without_tensor_values
 from ortpass.export.symbolics import record_padding_indices
 from ortpass.pythonop.export import name_context_outputs
 
@@ -192,7 +193,7 @@ def _run_torchscript_export(
         raise
     except Exception as exc:
         raise ExportError(
-            f"torch.onnx.export of {type(shown_module(module)).__name__} failed: {type(exc).__name__}: {exc}"
+            f"torch.onnx.export of {type(shown_module(module)).__name__} failed: {type(exc).__name__}: {without_tensor_values(str(exc))}"
             f"{_where_and_way_out(exc)}"
         ) from exc
     finally:
