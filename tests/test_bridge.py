@@ -246,3 +246,18 @@ def test_no_cxx_runtime_at_all_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(bridge.ctypes, "CDLL", _NoCxxRuntime(libstdcxx=False))
     with pytest.raises(RuntimeError, match=r"no C\+\+ operator new \(_Znwm\)"):
         bridge._find_operator_new()
+
+
+@pytest.mark.stock
+def test_a_runtime_without_pythonop_kernels_is_named_with_the_function(monkeypatch):
+    """Stock onnxruntime has no runner hooks: the error names the Function and the runtime,
+    not a missing attribute of ORT's bindings (on the training build the hooks are hidden)."""
+    from onnxruntime.capi import _pybind_state as C
+
+    from ortpass.errors import OrtpassError
+
+    monkeypatch.delattr(C, "register_forward_runner", raising=False)
+    func_name = f"{__name__}.AddScaled"
+    with pytest.raises(OrtpassError, match="has no PythonOp kernel") as info:
+        bridge.prepare(ir.from_proto(_inference_model(func_name)))
+    assert func_name in str(info.value) and "training build" in str(info.value)

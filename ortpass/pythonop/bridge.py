@@ -23,7 +23,7 @@ from typing import Any
 import onnx_ir as ir
 import torch
 
-from ortpass.errors import UnregisteredFunctionError
+from ortpass.errors import OrtpassError, UnregisteredFunctionError
 from ortpass.infra.validate import (
     REQUIRED_PYTHONOP_ATTRIBUTES,
     refuse_pythonop_missing_attributes,
@@ -74,6 +74,9 @@ def prepare(model: ir.Model) -> None:
     names = pythonop_func_names(model)
     if not names:
         return
+    from onnxruntime.capi import _pybind_state as C
+
+    _refuse_runtime_without_pythonop(C, names)
     known = registered_functions()
     for func_name, node_name in names.items():
         if func_name not in known:
@@ -82,8 +85,6 @@ def prepare(model: ir.Model) -> None:
                 "in this process: call ortpass.pythonop.bridge.register_function(<the Function class>) "
                 "(or ortpass.export.register_function) before building or running the model"
             )
-    from onnxruntime.capi import _pybind_state as C
-
     with _lock:
         _install_runners(C)
         for func_name in names:
@@ -93,6 +94,22 @@ def prepare(model: ir.Model) -> None:
     logger.debug("bridge ready for %s", sorted(names))
 
 
+
+
+def _refuse_runtime_without_pythonop(C, names: dict[str, str]) -> None:
+    """Stock onnxruntime has no PythonOp kernel and no runner hooks: say so, naming the
+    Functions, instead of failing on a missing attribute of ORT's bindings."""
+    if hasattr(C, "register_forward_runner"):
+        return
+    import onnxruntime
+
+    raise OrtpassError(
+        f"the graph runs torch.autograd.Function {sorted(names)} as PythonOp nodes, which only ONNX Runtime's "
+        f"training build (onnxruntime-training-cpu 1.19.2) runs; this onnxruntime ({onnxruntime.__version__}) "
+        "has no PythonOp kernel: build the graph with the torch builder (ORTModule(builder='torch'), "
+        "ortpass.training.build_training_graph_from_torch), which takes a Function's forward and backward into "
+        "the graph as torch traces them"
+    )
 
 
 def _check_required_attributes(model: ir.Model) -> None:
