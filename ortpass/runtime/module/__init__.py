@@ -49,6 +49,7 @@ import torch.utils._pytree as pytree
 
 from ortpass.errors import OrtpassError
 from ortpass.runtime.module.budget import BudgetFit
+from ortpass.runtime.module.facade import ModelFacade, model_signature
 from ortpass.runtime.module.graphs import BuiltGraph, GraphBuilding
 from ortpass.runtime.module.steps import LossRun, LossStep, SplitRun, SplitStep, to_ortvalue, to_torch
 from ortpass.runtime.module.transitions import (
@@ -74,7 +75,7 @@ _REFUSED_WRAPPERS = {
 # -- the wrapper ------------------------------------------------------------------------------
 
 
-class ORTModule(GraphBuilding, torch.nn.Module):
+class ORTModule(ModelFacade, GraphBuilding, torch.nn.Module):
     """Drop-in wrapper: ``model = ORTModule(model)``; then train as in torch.
 
     Args:
@@ -124,7 +125,10 @@ class ORTModule(GraphBuilding, torch.nn.Module):
             sizes (:mod:`ortpass.runtime.module.budget`).  A budget no recompute reaches
             raises, naming the lowest peak it can reach.
 
-    ``state_dict()`` keys carry the ``module.`` prefix (as with DDP); the wrapped module is
+    The wrapper presents itself as the module it wraps (:mod:`ortpass.runtime.module.facade`):
+    its attributes (``config``, ``save_pretrained``, ``generate``...), its class to
+    ``isinstance``, its ``forward`` signature, and ``state_dict()`` keys as the module's own
+    (``load_state_dict`` also takes ``module.``-prefixed ones); the wrapped module is
     ``.module``.  ``graph_builds`` counts the graphs built (exported and optimized) in this
     process.  Copies
     (``copy.deepcopy``, pickling, ``torch.save``) carry the module, not the sessions: a
@@ -185,6 +189,7 @@ class ORTModule(GraphBuilding, torch.nn.Module):
             pipeline = with_memory_budget(pipeline, memory_budget)
             self.budget_fit = BudgetFit(int(amount)) if kind == "bytes" else None
         self.module = module
+        self._register_state_hooks()
         self.pipeline = pipeline
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
         self.providers = providers
@@ -211,6 +216,7 @@ class ORTModule(GraphBuilding, torch.nn.Module):
 
     # -- calls --------------------------------------------------------------------------------
 
+    @model_signature  # inspect.signature(model.forward) is the wrapped module's
     @torch.compiler.disable(recursive=True)  # ORT runs outside any compiled graph: a graph break
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         bound = bind_arguments(self.module, args, kwargs)

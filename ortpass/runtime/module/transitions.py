@@ -42,6 +42,9 @@ class InputSchema:
     trainable: tuple[str, ...]
     training: tuple[str, ...]  # the modules in training mode ("" is the module itself)
     differentiable: bool  # grad enabled, and a trainable parameter or an input requires grad
+    # (name, dtype and shape) of every parameter and buffer: a graph holds their shapes, and
+    # resize_token_embeddings or model.half() needs another
+    state: tuple[tuple[str, str], ...] = ()
 
     def difference(self, previous: InputSchema | None) -> str:
         """Why a graph built for ``previous`` does not serve this schema, in words (every
@@ -61,6 +64,11 @@ class InputSchema:
             added = sorted(set(self.trainable) - set(previous.trainable))
             removed = sorted(set(previous.trainable) - set(self.trainable))
             reasons.append(f"trainable parameters changed: +{added} -{removed}")
+        if self.state != previous.state:
+            before = dict(previous.state)
+            changed = [f"{name} {before.get(name, 'absent')} -> {now}" for name, now in self.state if before.get(name) != now]
+            reasons.append(f"parameter or buffer shapes or dtypes changed: {', '.join(changed[:3])}" + (
+                f" and {len(changed) - 3} more" if len(changed) > 3 else ""))
         old, new = {p: (k, d) for p, k, d in previous.leaves}, {p: (k, d) for p, k, d in self.leaves}
         if set(new) - set(old) or set(old) - set(new):
             reasons.append(f"arguments changed: new {sorted(set(new) - set(old))}, gone {sorted(set(old) - set(new))}")
@@ -121,7 +129,11 @@ def input_schema(module: torch.nn.Module, leaves: list[tuple[str, Any]], spec: A
     trainable = tuple(name for name, p in module.named_parameters() if p.requires_grad)
     training = tuple(name for name, m in module.named_modules() if m.training)
     wants_grad = bool(trainable) or any(isinstance(leaf, torch.Tensor) and leaf.requires_grad for _, leaf in leaves)
-    return InputSchema(str(spec), described, trainable, training, torch.is_grad_enabled() and wants_grad)
+    state = tuple(
+        (name, f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}")
+        for name, t in (*module.named_parameters(), *module.named_buffers())
+    )
+    return InputSchema(str(spec), described, trainable, training, torch.is_grad_enabled() and wants_grad, state)
 
 
 # -- transitions ------------------------------------------------------------------------------
