@@ -153,6 +153,7 @@ def _run_torchscript_export(
     Returns the model proto and the probe's records (what it measured per loss call).
     """
     # Imported here: both hook into torch while the exporter runs and are undone after.
+    from ortpass.export.control_flow import refuse_data_dependent, watching_conversions
     from ortpass.export.density import density_probe
     from ortpass.export.symbolics import symbolics_context
     from ortpass.pythonop.export import pythonop_export_context
@@ -162,6 +163,7 @@ def _run_torchscript_export(
         module.train(training)
     buffer = io.BytesIO()
     probe = None
+    conversions: list = []
     try:
         with contextlib.ExitStack() as hooks, warnings.catch_warnings():
             hooks.enter_context(pythonop_export_context())
@@ -176,6 +178,7 @@ def _run_torchscript_export(
             # supports PythonOp and training-mode Dropout, so silence the notice.
             warnings.simplefilter("ignore", category=DeprecationWarning)
             warnings.simplefilter("ignore", category=FutureWarning)
+            conversions = hooks.enter_context(watching_conversions())
             torch.onnx.export(
                 module,
                 args,
@@ -192,6 +195,8 @@ def _run_torchscript_export(
     except ExportError:
         raise
     except Exception as exc:
+        # A path read from a tensor is the reason to give, whatever the trace did after it.
+        refuse_data_dependent(conversions, type(shown_module(module)).__name__, cause=exc)
         raise ExportError(
             f"torch.onnx.export of {type(shown_module(module)).__name__} failed: {type(exc).__name__}: {without_tensor_values(str(exc))}"
             f"{_where_and_way_out(exc)}"
@@ -199,6 +204,7 @@ def _run_torchscript_export(
     finally:
         for m, was_training in modes:  # torch's exporter sets the mode of every submodule
             m.training = was_training
+    refuse_data_dependent(conversions, type(shown_module(module)).__name__)
     return onnx.load_from_string(buffer.getvalue()), (probe.records if probe is not None else [])
 
 

@@ -43,6 +43,7 @@ from torch.export.graph_signature import InputKind
 from ortpass.analysis import memory
 from ortpass.conventions import BUFFER_UPDATES_KEY
 from ortpass.errors import TrainingGraphError
+from ortpass.export.control_flow import data_dependent_refusal
 from ortpass.infra.metadata import update_export_info
 from ortpass.training.joint_decompositions import joint_decompositions
 from ortpass.training.joint_onnx import joint_to_onnx, record_training_graph
@@ -284,6 +285,9 @@ def _export(module: torch.nn.Module, args: tuple, dynamic: tuple) -> torch.expor
         try:
             program = torch.export.export(module, args, dynamic_shapes=(dynamic,), strict=False)
         except Exception as exc:
+            refusal = data_dependent_refusal(exc, _shown(module))  # a path read from a tensor: named by file:line
+            if refusal is not None:
+                raise refusal from exc
             raise TrainingGraphError(f"torch.export could not trace {_shown(module)}: {exc}") from exc
     _refuse_functions(module, applied)
     return program
