@@ -12,6 +12,7 @@ from ortpass.conventions import MS_DOMAIN, SHAPES, is_onnx_domain
 from ortpass.errors import OrtpassError
 from ortpass.infra.base import OrtPass
 from ortpass.infra.registry import register_pass
+from ortpass.pythonop.propagation import infer_by_levels, levels_of
 from ortpass.pythonop.shape_inference import get_shape_inferer
 
 __all__ = ["PythonOpShapeInferencePass"]
@@ -39,7 +40,12 @@ class PythonOpShapeInferencePass(OrtPass):
     - Then every value downstream of those outputs that an ai.onnx node produces loses
       its old shape and is re-inferred by ONNX shape inference (through onnx_ir's
       ShapeInferencePass), so dim names flow through; a value ONNX cannot infer keeps the
-      shape it had.  This repeats until PythonOps fed by other PythonOps settle.
+      shape it had.  PythonOps fed by other PythonOps are settled in one sweep, level by
+      level in topological order (:mod:`ortpass.pythonop.propagation`): one whole-model
+      inference, then each level's nodes alone, so the cost is linear in the graph (it
+      was one whole-model round per chained PythonOp, quadratic in layers).  A graph the
+      sweep cannot cut into levels (a subgraph) gets rounds over the whole model until
+      nothing changes.
 
     If an inferer fails or returns the wrong number of entries the pass raises
     ``OrtpassError`` naming the node and func_name, and every shape is as it was.
@@ -53,12 +59,15 @@ class PythonOpShapeInferencePass(OrtPass):
         if not nodes:
             return ir.passes.PassResult(model, modified=False)
         before = _snapshot(model)
+        levels = levels_of(model)
         try:
-            for _ in range(len(nodes) + 1):
-                shaped = [v for node in nodes for v in self._shape_outputs(node)]
-                changed = _propagate(model, shaped)
-                if not changed:
-                    break
+            if levels is not None:
+                seeds = [v for node in nodes for v in node.outputs if v.name]
+                original = {v: shape for v, (_, shape) in before.items()}
+                cleared = set(_downstream_default_domain_values(seeds))
+                infer_by_levels(model, levels, self._shape_outputs, cleared, original)
+            else:  # a subgraph, or nodes out of order: rounds over the whole model until nothing changes
+                self._until_settled(model, nodes)
         except Exception:
             _restore(before)
             raise
@@ -68,6 +77,12 @@ class PythonOpShapeInferencePass(OrtPass):
                 exact = get_shape_inferer(_string_attr(node, "func_name") or "?") is not None
                 self.count("outputs exact (registered inferer)" if exact else "outputs rank-only", len(node.outputs) - 1)
         return ir.passes.PassResult(model, modified=modified)
+
+    def _until_settled(self, model: ir.Model, nodes: list[ir.Node]) -> None:
+        for _ in range(len(nodes) + 1):
+            shaped = [v for node in nodes for v in self._shape_outputs(node)]
+            if not _propagate(model, shaped):
+                break
 
     # -- per node ---------------------------------------------------------------------------
 
