@@ -11,6 +11,7 @@ initializer of ones, each node tagged forward or backward, and the training reco
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import numpy as np
@@ -24,7 +25,7 @@ from ortpass.conventions import BUFFER_UPDATES_KEY, BUILDER_KEY, MAX_ORT_IR_VERS
 from ortpass.errors import TrainingGraphError
 from ortpass.ops.optimizer import optimize_keeping_training_values
 
-__all__ = ["joint_to_onnx", "record_training_graph"]
+__all__ = ["joint_to_onnx", "record_training_graph", "without_terminal_codes"]
 
 # onnxscript's SlicesSplit (two Slices of a last dim's halves -> one Split) is a two-root
 # pattern, slow to match: without it the optimizer takes 2.4 s instead of 8.3 on BART's
@@ -49,7 +50,7 @@ def joint_to_onnx(program: torch.export.ExportedProgram, input_names: list[str])
         # constant and merges equal weights.  onnxscript-optimize keeps the parameters.
         onnx_program = torch.onnx.export(program, dynamo=True, optimize=False, verbose=False)
     except Exception as exc:
-        raise TrainingGraphError(f"torch.onnx could not write the joint graph: {exc}") from exc
+        raise TrainingGraphError(f"torch.onnx could not write the joint graph: {without_terminal_codes(str(exc))}") from exc
     model = onnx_program.model
     # Parameters and buffers (their FQNs, the initializers' names) are kept apart: equal
     # values would be merged (two BatchNorms' fresh running means, both zeros), and the
@@ -151,21 +152,38 @@ def _fully_named(shape: ir.Shape | None) -> bool:
     return shape is not None and all(isinstance(d, int) or d.value is not None for d in shape)
 
 
+# An ANSI escape sequence (ECMA-48 CSI: ESC [ parameters intermediates final byte).
+_TERMINAL_CODE = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]")
+
+
+def without_terminal_codes(text: str) -> str:
+    """``text`` without terminal escape codes: torch.onnx colours its error text for a
+    terminal (``\\x1b[96m...\\x1b[0m``), which a log file or an exception shows as is."""
+    return _TERMINAL_CODE.sub("", text)
+
+
 def _ops_torch_onnx_writes_right(program: torch.export.ExportedProgram) -> None:
-    """Two ATen ops of the joint graph rewritten into ops torch.onnx (torch 2.14) translates:
+    """ATen ops of the joint graph rewritten into ops torch.onnx (torch 2.14) translates:
 
     - ``aten.empty_permuted`` (a backward formula's buffer) -> ``aten.empty``: torch.onnx has
       no translation, and an ONNX tensor has no memory layout to permute;
     - ``aten.copy(dst, src)`` with ``src`` broadcast to ``dst``'s shape (``ids[:, 0] = 0``,
       as transformers shifts labels right for BART and T5) -> ``zeros_like(dst) + src``:
-      torch.onnx writes ``src`` unbroadcast, and ORT then refuses the graph.
+      torch.onnx writes ``src`` unbroadcast, and ORT then refuses the graph;
+    - ``aten.squeeze`` that squeezes nothing (``labels.squeeze()`` of a regression head's
+      batch of labels, whose dim is symbolic and so not 1) and ``prims.view_of`` ->
+      ``aten.alias``: torch.onnx decomposes such a squeeze again into ``prims.view_of``
+      (torch's reference returns the input unchanged as a view), which it cannot translate
+      ("No ONNX function found for prims.view_of", BERT with ``num_labels=1``).
     """
     aten = torch.ops.aten
     graph = program.graph
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
-        if node.target is aten.empty_permuted.default:
+        if node.target is torch.ops.prims.view_of.default or (node.target in _SQUEEZES and _shape(node) == _shape(node.args[0])):
+            node.target, node.args, node.kwargs = aten.alias.default, node.args[:1], {}
+        elif node.target is aten.empty_permuted.default:
             node.target = aten.empty.memory_format
             node.args = node.args[:1]
         elif node.target is aten.copy.default and _shape(node.args[0]) != _shape(node.args[1]):
@@ -179,6 +197,9 @@ def _ops_torch_onnx_writes_right(program: torch.export.ExportedProgram) -> None:
             node.replace_all_uses_with(summed)
             graph.erase_node(node)
     program.graph_module.recompile()
+
+
+_SQUEEZES = (torch.ops.aten.squeeze.default, torch.ops.aten.squeeze.dim, torch.ops.aten.squeeze.dims)
 
 
 def _shape(node: Any) -> tuple | None:
