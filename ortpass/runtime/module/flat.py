@@ -92,25 +92,62 @@ def _is_loss(path: tuple, leaf: torch.Tensor) -> bool:
 @contextlib.contextmanager
 def checkpointing_disabled(module: torch.nn.Module, notice: Callable[[str], None]):
     """``torch.utils.checkpoint`` becomes a plain call while exporting (the exporter would
-    otherwise trace its reentrant autograd Function as a PythonOp), and transformers'
-    ``gradient_checkpointing`` flags are off."""
+    otherwise trace its reentrant autograd Function as a PythonOp, and crash), and
+    transformers' ``gradient_checkpointing`` flags are off.
+
+    A reference bound before the export (``from torch.utils.checkpoint import checkpoint``
+    at import, a ``functools.partial`` of it, the decorator form) never reads the module
+    attribute again, so the calls are caught where each of them goes through: torch's
+    ``_checkpoint_impl`` (every form, torch 2.14 on) and, for older torch, the reentrant
+    ``CheckpointFunction.apply``; the module attribute too, for ``checkpoint_sequential``."""
     import torch.utils.checkpoint as checkpoint_module
 
-    original = checkpoint_module.checkpoint
     flagged = [m for m in module.modules() if getattr(m, "gradient_checkpointing", False) is True]
     if flagged:
         notice(f"gradient checkpointing of {type(module).__name__} ({len(flagged)} modules)")
 
-    def plain_call(function, *args, use_reentrant=None, context_fn=None, determinism_check=None, debug=None, **kwargs):
+    def plain_call(function=None, *args, **options):
+        if function is None:  # the decorator form: checkpoint(use_reentrant=False)(fn)
+            return lambda fn: _plain(fn)
+        notice("torch.utils.checkpoint")
+        return function(*args, **{k: v for k, v in options.items() if k not in _CHECKPOINT_OPTIONS})
+
+    def _plain(fn):
+        return lambda *args, **kwargs: plain_call(fn, *args, **kwargs)
+
+    def plain_impl(function, args, kwargs, **options):
         notice("torch.utils.checkpoint")
         return function(*args, **kwargs)
 
-    checkpoint_module.checkpoint = plain_call
+    def plain_apply(function, preserve_rng_state, *args):
+        notice("torch.utils.checkpoint")
+        return function(*args)
+
+    patched = [(checkpoint_module, "checkpoint", plain_call)]
+    if hasattr(checkpoint_module, "_checkpoint_impl"):
+        patched.append((checkpoint_module, "_checkpoint_impl", plain_impl))
+    patched.append((checkpoint_module.CheckpointFunction, "apply", staticmethod(plain_apply)))
+    originals = [(owner, name, owner.__dict__.get(name, _INHERITED)) for owner, name, _ in patched]
+    for owner, name, value in patched:
+        setattr(owner, name, value)
     for m in flagged:
         m.gradient_checkpointing = False
     try:
         yield
     finally:
-        checkpoint_module.checkpoint = original
+        for owner, name, value in originals:
+            if value is _INHERITED:  # CheckpointFunction.apply is autograd.Function's
+                delattr(owner, name)
+            else:
+                setattr(owner, name, value)
         for m in flagged:
             m.gradient_checkpointing = True
+
+
+_INHERITED = object()
+
+#: ``torch.utils.checkpoint.checkpoint``'s own keyword arguments (not the function's).
+_CHECKPOINT_OPTIONS = {
+    "use_reentrant", "preserve_rng_state", "context_fn", "determinism_check", "debug", "early_stop",
+    "respect_saved_tensors_hooks",
+}  # fmt: skip
