@@ -63,7 +63,7 @@ class _Texts(torch.utils.data.Dataset):
 def _trainer(model, out, max_steps=4, **args) -> transformers.Trainer:
     arguments = transformers.TrainingArguments(
         output_dir=str(out), max_steps=max_steps, per_device_train_batch_size=4, per_device_eval_batch_size=4,
-        gradient_accumulation_steps=2, learning_rate=1e-3, logging_steps=1, save_steps=2, report_to="none", **args,
+        gradient_accumulation_steps=2, learning_rate=1e-3, logging_steps=1, save_steps=2, **args,
     )  # fmt: skip
     # 18 rows, batches of 4: an epoch ends on a short batch of 2 (steps of 2 batches).
     return transformers.Trainer(model=model, args=arguments, train_dataset=_Texts(18, 1), eval_dataset=_Texts(6, 2))
