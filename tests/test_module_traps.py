@@ -63,3 +63,58 @@ def test_checkpoint_either_import_style_is_a_plain_call(style, use_reentrant, bu
     # The patch is undone: eager checkpointing is torch's own again.
     assert "apply" not in torch.utils.checkpoint.CheckpointFunction.__dict__
     assert torch.utils.checkpoint.checkpoint is attribute
+
+
+# -- autocast: a fallback for one call, a way out that runs -------------------------------------
+
+
+class Classifier(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.hidden = nn.Linear(8, 16)
+        self.out = nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.hidden(x)))
+
+
+def _loss_in_torch(model, batch):
+    x, y = batch
+    return nn.functional.cross_entropy(model(x).float(), y)
+
+
+@pytest.mark.parametrize("builder", BUILDERS)
+def test_a_fallback_under_autocast_does_not_capture_later_calls(builder):
+    """One call under autocast runs in torch (one warning); the next calls with the same
+    inputs outside autocast run on ORT, as torch would compute them."""
+    torch.manual_seed(0)
+    model = Classifier()
+    wrapped = ORTModule(model, builder=builder, fallback="torch")
+    batches = list(_classification_batches(3))
+    with pytest.warns(UserWarning, match="autocast") as warned, torch.autocast("cpu", dtype=torch.bfloat16):
+        under = wrapped(batches[0][0])
+    assert len([w for w in warned if "autocast" in str(w.message)]) == 1
+    assert under.dtype == torch.bfloat16  # torch's autocast ran it
+    assert wrapped.graph_builds == 0
+    reference = Classifier()
+    reference.load_state_dict(model.state_dict())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no other fallback warning
+        for x, _ in batches:
+            torch.testing.assert_close(wrapped(x), reference(x), rtol=1e-5, atol=1e-6)
+    assert wrapped.graph_builds == 1  # on ORT, not sent to torch for good
+
+
+@pytest.mark.parametrize("builder", BUILDERS)
+def test_the_autocast_refusal_names_a_way_out_that_runs(builder):
+    torch.manual_seed(0)
+    model = Classifier()
+    with pytest.raises(Exception, match="autocast") as raised, torch.autocast("cpu", dtype=torch.bfloat16):
+        ORTModule(model, builder=builder)(torch.randn(4, 8))
+    message = str(raised.value)
+    assert "bfloat16" not in message  # a bfloat16 model has no ORT CPU Gemm
+    assert "model.half()" in message and "loss in torch" in message
+    # The way out, followed: float16 weights, the loss in torch from the outputs.
+    batches = [(x.half(), y) for x, y in _classification_batches(3)]
+    train_side_by_side(model.half(), _loss_in_torch, batches, builder=builder, tolerance=2e-3,
+                       optimizer=lambda params: torch.optim.SGD(params, lr=0.1))  # fmt: skip

@@ -223,12 +223,14 @@ class ORTModule(ModelFacade, GraphBuilding, torch.nn.Module):
         schema = None
         try:
             leaves, spec = flatten_arguments(self.module, bound)
+            tensors = [leaf for _, leaf in leaves if isinstance(leaf, torch.Tensor)]
+            names = [name for name, leaf in leaves if isinstance(leaf, torch.Tensor)]
+            # Autocast is this call's context, not its schema's: refused before the schema is
+            # known, so a fallback for it does not send later calls of the schema to torch.
+            _refuse_autocast(self.module, tensors)
             schema = input_schema(self.module, leaves, spec)
             if schema in self._in_torch:
                 return self.module(*args, **kwargs)
-            tensors = [leaf for _, leaf in leaves if isinstance(leaf, torch.Tensor)]
-            names = [name for name, leaf in leaves if isinstance(leaf, torch.Tensor)]
-            _refuse_autocast(self.module, tensors)
             graph = self.transitions.graph_for(
                 schema, tensors, names, lambda s: self._build(s, leaves, spec, bound, tensors), self.budget_fit
             )
@@ -279,6 +281,8 @@ class ORTModule(ModelFacade, GraphBuilding, torch.nn.Module):
         return pytree.tree_unflatten(values, graph.output_spec)
 
     def _fall_back(self, schema: InputSchema | None, exc: OrtpassError) -> None:
+        """Warn once per cause; a schema that could not be built (``schema`` given) runs in
+        torch from now on, a call refused for its own context (``None``) only this once."""
         cause = f"{type(exc).__name__}: {exc}"
         if schema is not None:
             self._in_torch[schema] = cause  # later calls of this schema go to torch directly
@@ -316,13 +320,16 @@ def _refuse_wrappers(module: torch.nn.Module) -> None:
 
 
 def _refuse_autocast(module: torch.nn.Module, tensors: list[torch.Tensor]) -> None:
+    """Refuse a call under autocast, naming only ways out that run on ORT's CPU kernels:
+    a bfloat16 model has no CPU ``Gemm``, and ORT's builder binds the fused loss gradient to
+    float32, so a float16 model trains there with its loss computed in torch."""
     devices = {t.device.type for t in tensors} | {p.device.type for p in module.parameters()}
     enabled = sorted(d for d in devices if d in ("cpu", "cuda") and torch.is_autocast_enabled(d))
     if enabled:
         raise OrtpassError(
             f"ORTModule does not run under torch.autocast (enabled for {enabled}): the graph would run in the "
-            "parameters' dtype and ignore it; call the module outside autocast, or convert the model "
-            "(model.to(torch.bfloat16)) before wrapping it"
+            "parameters' dtype and ignore it; call the module outside autocast, or, to train in float16, convert "
+            "the model (model.half()) before wrapping it and compute the loss in torch from its outputs"
         )
 
 
