@@ -118,3 +118,59 @@ def test_the_autocast_refusal_names_a_way_out_that_runs(builder):
     batches = [(x.half(), y) for x, y in _classification_batches(3)]
     train_side_by_side(model.half(), _loss_in_torch, batches, builder=builder, tolerance=2e-3,
                        optimizer=lambda params: torch.optim.SGD(params, lr=0.1))  # fmt: skip
+
+
+# -- one line per export at most ------------------------------------------------------------------
+
+
+class ManyBatchNorms(nn.Module):
+    """ResNet-like: a dozen training BatchNorms between convolutions, no transformer layer."""
+
+    def __init__(self, norms: int = 12):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 4, 3, padding=1, bias=False)
+        self.body = nn.Sequential(
+            *(nn.Sequential(nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1, bias=False)) for _ in range(norms))
+        )
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.fc(self.body(self.stem(x)).mean((2, 3)))
+
+
+def _images(steps: int = 3):
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        yield torch.randn(4, 3, 8, 8, generator=generator), torch.randint(0, 3, (4,), generator=generator)
+
+
+@pytest.mark.parametrize("builder", BUILDERS)
+def test_a_first_export_says_one_line_at_most(builder, recwarn, caplog):
+    """A dozen BatchNorms: torch's exporter warned once per norm per export that it drops
+    the ``num_batches_tracked`` update (ORTModule counts in torch): now at most one line."""
+    torch.manual_seed(0)
+    with caplog.at_level(logging.INFO):
+        wrapped = train_side_by_side(ManyBatchNorms(), _loss_in_torch, _images(), builder=builder,
+                                     optimizer=lambda params: torch.optim.SGD(params, lr=0.01))  # fmt: skip
+    assert wrapped.graph_builds == 1
+    assert not [w for w in recwarn if "Removing mutation" in str(w.message)]
+    said = [str(w.message) for w in recwarn] + [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(said) <= 1, said
+
+
+def test_layerwise_recompute_with_nothing_to_do_is_info_where_the_user_did_not_ask(caplog):
+    """A caller that picked recompute's level (a default pipeline) hears "recomputes
+    nothing" at INFO; asked for explicitly, it stays a WARNING (tests/test_layers.py)."""
+    import ortpass
+    from ortpass.export import export
+    from ortpass.passes.recompute import layerwise_notices_at
+    from ortpass.testing.models import MLP
+
+    torch.manual_seed(0)
+    x, labels = torch.randn(6, 8), torch.tensor([1, 2, 0, 4, 0, 3])
+    axes = {"x": {0: "batch"}, "labels": {0: "batch"}}
+    forward = export(MLP(d_in=8, hidden=16, classes=5), (x, labels), input_names=["x", "labels"], dynamic_axes=axes)
+    with caplog.at_level(logging.INFO, logger="ortpass.passes.recompute"), layerwise_notices_at(logging.INFO):
+        ortpass.pipeline("build-training-graph,fix-dropout-seed(level=1),recompute(level=1)")(forward)
+    (record,) = [r for r in caplog.records if "recomputes nothing" in r.getMessage()]
+    assert record.levelno == logging.INFO

@@ -178,6 +178,7 @@ def _run_torchscript_export(
             # supports PythonOp and training-mode Dropout, so silence the notice.
             warnings.simplefilter("ignore", category=DeprecationWarning)
             warnings.simplefilter("ignore", category=FutureWarning)
+            _quiet_batch_norm_counters(module)
             conversions = hooks.enter_context(watching_conversions())
             torch.onnx.export(
                 module,
@@ -206,6 +207,19 @@ def _run_torchscript_export(
             m.training = was_training
     refuse_data_dependent(conversions, type(shown_module(module)).__name__)
     return onnx.load_from_string(buffer.getvalue()), (probe.records if probe is not None else [])
+
+
+def _quiet_batch_norm_counters(module: torch.nn.Module) -> None:
+    """torch's exporter warns once per BatchNorm that it drops the ``num_batches_tracked += 1``
+    of a training BatchNorm (a hundred lines for a ResNet, every export).  Not actionable:
+    ORTModule counts the batches in torch (``BatchNormUpdate``).  Said once, at DEBUG; a
+    dropped update of any other buffer still warns."""
+    counted = [name for name, _ in module.named_buffers() if name.endswith("num_batches_tracked")]
+    if counted:
+        warnings.filterwarnings(
+            "ignore", message=r"ONNX Preprocess - Removing mutation .*num_batches_tracked", category=UserWarning
+        )
+        logger.debug("the export leaves out the num_batches_tracked updates of %d BatchNorms", len(counted))
 
 
 _TRAINING_MODES = {

@@ -14,6 +14,8 @@ follows (:mod:`ortpass.analysis.ort_order`).  Why, and what was measured:
 from __future__ import annotations
 
 import collections
+import contextlib
+import contextvars
 import logging
 import os
 from typing import Iterable, Sequence
@@ -37,9 +39,25 @@ from ortpass.ops.dropout import is_dropout
 from ortpass.pythonop import rng_replay
 from ortpass.training.split import finished_as_run
 
-__all__ = ["RECOMPUTE_SUFFIX", "RecomputePass"]
+__all__ = ["RECOMPUTE_SUFFIX", "RecomputePass", "layerwise_notices_at"]
 
 logger = logging.getLogger(__name__)
+
+#: The level "layer-wise recompute recomputes nothing" is logged at: WARNING where the user
+#: asked for the level; a caller that picked it for them (a default pipeline, which then
+#: says it at every graph without transformer layers) lowers it with layerwise_notices_at.
+_NOTHING_LEVEL = contextvars.ContextVar("ortpass_recompute_nothing_level", default=logging.WARNING)
+
+
+@contextlib.contextmanager
+def layerwise_notices_at(level: int):
+    """Within the block, "recompute(level=N) recomputes nothing" is logged at ``level``
+    (``logging.INFO`` for a pipeline whose recompute level the user did not choose)."""
+    token = _NOTHING_LEVEL.set(level)
+    try:
+        yield
+    finally:
+        _NOTHING_LEVEL.reset(token)
 
 
 @register_pass("recompute")
@@ -166,9 +184,12 @@ class RecomputePass(OrtPass):
 
 def _warn_nothing_layerwise(level: int, report: RecomputeReport) -> None:
     """Say at WARNING why layer-wise recompute (level 1 or 2) recomputes nothing, and what
-    to do instead: the user asked for memory savings and gets none."""
+    to do instead: the user asked for memory savings and gets none (at the level
+    :func:`layerwise_notices_at` sets, where the user did not ask)."""
+    severity = _NOTHING_LEVEL.get()
     if not report.layer_boundaries:
-        logger.warning(
+        logger.log(
+            severity,
             "recompute(level=%d) recomputes nothing: it recomputes inside transformer layers only, and found "
             "no layer boundary (a LayerNorm whose block reaches an attention op -- Softmax, Attention, a "
             "registered attention PythonOp -- before its residual Add, pre-LN or post-LN); list the plans the "
@@ -185,7 +206,8 @@ def _warn_nothing_layerwise(level: int, report: RecomputeReport) -> None:
             f"{DEFAULT_MIN_ELEMENTS} elements): export with dynamic axes (batch, sequence) as ORTModule did, "
             f"or lower the floor with recompute(level={level}, min_elements=N)"
         )
-    logger.warning(
+    logger.log(
+        severity,
         "recompute(level=%d) recomputes nothing: %d layer boundaries found, but no candidate inside them "
         "qualifies (most common reasons: %s); %s",
         level,
