@@ -137,17 +137,47 @@ class _Doubled(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return grad * 3  # not the derivative: torch.export would silently drop this
+        return grad * 3  # not the derivative: torch.export alone would silently drop this
 
 
-def test_an_autograd_function_is_refused_by_name():
+class _ThroughNumpy(torch.autograd.Function):
+    """A custom kernel: the backward runs outside torch's ops."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.from_numpy(grad.numpy() * 2)
+
+
+def test_an_autograd_function_trains_with_its_own_backward():
     class WithFunction(_Classifier):
         def forward(self, ids, labels):
             return _Doubled.apply(super().forward(ids, labels))
 
+    torch.manual_seed(0)
+    module = WithFunction()
     ids, labels = _batch()
-    with pytest.raises(TrainingGraphError, match="_Doubled.*would lose its backward"):
-        _build(WithFunction(), ids, labels)
+    model = _build(module, ids, labels)
+    assert all(is_onnx_domain(node.domain) for node in model.graph)  # no node of the routing op is left
+    expected_loss, expected = _torch_step(module, ids, labels)
+    result = TrainingSession(model).run({"ids": ids.numpy(), "labels": labels.numpy()})
+    assert result.loss == pytest.approx(expected_loss, rel=1e-6)
+    for name, grad in expected.items():  # 3 x the classifier's gradient, not the derivative's 2 x
+        np.testing.assert_allclose(result.gradients[name], grad, rtol=1e-5, atol=1e-6)
+
+
+def test_an_autograd_function_torch_cannot_trace_is_refused_by_name_and_side():
+    class WithKernel(_Classifier):
+        def forward(self, ids, labels):
+            return _ThroughNumpy.apply(super().forward(ids, labels))
+
+    ids, labels = _batch()
+    with pytest.raises(TrainingGraphError, match=r"_ThroughNumpy, whose backward torch cannot trace") as info:
+        _build(WithKernel(), ids, labels)
+    assert "ORT's builder" in str(info.value)
 
 
 class _Normed(nn.Module):

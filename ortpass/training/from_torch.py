@@ -20,8 +20,9 @@ Both kinds of graph of the other builder come out, recorded the same way
 The product itself is dead once the gradients are out, and is removed.  Nodes that the
 forward outputs need and that read no seed are tagged forward; the rest backward.
 
-What torch's trace would get silently wrong is refused: a ``torch.autograd.Function``
-(``torch.export`` inlines its forward and drops its backward).  A forward that updates a
+A ``torch.autograd.Function`` goes into the graph with its own backward
+(:mod:`ortpass.training.autograd_functions`: ``torch.export`` alone would inline its
+forward and drop its backward); one torch cannot trace is refused by name.  A forward that updates a
 buffer (BatchNorm's running statistics in training mode) is functionalized by the trace:
 the graph computes each new value, as the forward output ``<buffer>_updated``, and
 :func:`buffer_updates` lists them for the caller to copy into the module after a step.
@@ -45,8 +46,9 @@ from ortpass.conventions import BUFFER_UPDATES_KEY
 from ortpass.errors import TrainingGraphError
 from ortpass.export.control_flow import data_dependent_refusal
 from ortpass.infra.metadata import update_export_info
+from ortpass.training.autograd_functions import FunctionCalls, functions_taken_into_the_graph, routing
 from ortpass.training.joint_decompositions import joint_decompositions
-from ortpass.training.joint_onnx import joint_to_onnx, record_training_graph
+from ortpass.training.joint_onnx import joint_to_onnx, record_training_graph, without_terminal_codes
 
 __all__ = ["buffer_updates", "build_training_graph_from_torch"]
 
@@ -89,8 +91,8 @@ def build_training_graph_from_torch(
             every output that requires grad); used when there is no loss.
 
     Raises:
-        TrainingGraphError: a torch.autograd.Function, nothing to differentiate, or a
-            failed trace (with torch's reason).
+        TrainingGraphError: a torch.autograd.Function torch cannot trace (named), nothing
+            to differentiate, or a failed trace (with torch's reason).
     """
     args = tuple(args)
     names = list(input_names) if input_names is not None else [f"input_{k}" for k in range(len(args))]
@@ -209,25 +211,6 @@ def _dynamic_shapes(names, args, dynamic_axes) -> tuple:
     return tuple(shapes)
 
 
-@contextlib.contextmanager
-def _refusing_autograd_functions() -> Iterator[list[str]]:
-    """Record every ``torch.autograd.Function`` applied while tracing: torch.export inlines
-    its forward and loses its backward, a silently wrong gradient."""
-    applied: list[str] = []
-    function = torch.autograd.Function
-    original = function.__dict__["apply"]  # a classmethod descriptor (C in torch >= 2.10)
-
-    def apply(cls, *a, **kw):
-        applied.append(f"{cls.__module__}.{cls.__qualname__}")
-        return original.__get__(None, cls)(*a, **kw)
-
-    function.apply = classmethod(apply)
-    try:
-        yield applied
-    finally:
-        function.apply = original
-
-
 def _math_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """``scaled_dot_product_attention`` as matmul, softmax and dropout: what the joint trace
     sees instead of the fused kernel, whose decomposition gives an output strided in a way
@@ -279,18 +262,21 @@ def _attention_as_math() -> Iterator[None]:
         functional.scaled_dot_product_attention = original
 
 
-def _export(module: torch.nn.Module, args: tuple, dynamic: tuple) -> torch.export.ExportedProgram:
+def _export(module: torch.nn.Module, args: tuple, dynamic: tuple, functions: FunctionCalls | None = None) -> torch.export.ExportedProgram:
+    """``module`` traced by torch.export; with ``functions``, each autograd Function call
+    kept whole for the joint trace, else inlined (its forward: a graph without backward)."""
+    routed = routing() if functions is not None else contextlib.nullcontext()
     # Grad on: a call under no_grad that updates BatchNorm statistics is traced as a step.
-    with _refusing_autograd_functions() as applied, torch.random.fork_rng(devices=[]), _attention_as_math(), torch.enable_grad():
+    with routed, torch.random.fork_rng(devices=[]), _attention_as_math(), torch.enable_grad():
         try:
-            program = torch.export.export(module, args, dynamic_shapes=(dynamic,), strict=False)
+            return torch.export.export(module, args, dynamic_shapes=(dynamic,), strict=False)
         except Exception as exc:
+            if functions is not None:
+                functions.refuse_untraceable(_shown(module))
             refusal = data_dependent_refusal(exc, _shown(module))  # a path read from a tensor: named by file:line
             if refusal is not None:
                 raise refusal from exc
-            raise TrainingGraphError(f"torch.export could not trace {_shown(module)}: {exc}") from exc
-    _refuse_functions(module, applied)
-    return program
+            raise TrainingGraphError(f"torch.export could not trace {_shown(module)}: {without_terminal_codes(str(exc))}") from exc
 
 
 def _refuse_cumulative_batch_norms(module: torch.nn.Module) -> None:
@@ -309,14 +295,6 @@ def _refuse_cumulative_batch_norms(module: torch.nn.Module) -> None:
         )
 
 
-def _refuse_functions(module: torch.nn.Module, applied: list[str]) -> None:
-    if applied:
-        raise TrainingGraphError(
-            f"{_shown(module)} applies torch.autograd.Function {sorted(set(applied))}: the torch builder would lose its "
-            "backward; use ORT's builder (onnxruntime-training) or write it as a torch.library.custom_op"
-        )
-
-
 def _shown(module: torch.nn.Module) -> str:
     inner = getattr(module, _INNER, module)
     inner = getattr(inner, "ortpass_view_of", None) and getattr(inner, inner.ortpass_view_of) or inner
@@ -329,7 +307,6 @@ def _probe_outputs(module: torch.nn.Module, args: tuple) -> list[torch.Tensor]:
     every activation), torch's generators and the module's buffers are left as they were."""
     buffers = {name: b.clone() for name, b in module.named_buffers()}
     with (
-        _refusing_autograd_functions() as applied,
         torch.random.fork_rng(devices=[]),
         torch.autograd.graph.saved_tensors_hooks(lambda _: None, lambda _: None),
         torch.enable_grad(),
@@ -338,7 +315,6 @@ def _probe_outputs(module: torch.nn.Module, args: tuple) -> list[torch.Tensor]:
     with torch.no_grad():
         for name, b in module.named_buffers():
             b.copy_(buffers[name])
-    _refuse_functions(module, applied)
     return [t.detach().requires_grad_(t.requires_grad) if t.is_floating_point() else t.detach() for t in flat]
 
 
@@ -371,13 +347,17 @@ def _output_names(given, count: int, loss_index: int | None) -> list[str]:
 def _joint_program(joint: _Joint, args: tuple, dynamic: tuple) -> torch.export.ExportedProgram:
     from torch.export.experimental import _export_forward_backward
 
-    program = _export(joint, args, dynamic)
-    _drop_unread_parameters(program)
-    try:
-        with joint_decompositions(), torch.enable_grad():  # ATen ops torch.onnx cannot write (right)
-            joint_program = _export_forward_backward(program, joint_loss_index=0)
-    except Exception as exc:
-        raise TrainingGraphError(f"torch could not trace the backward of {_shown(joint)}: {exc}") from exc
+    with functions_taken_into_the_graph() as functions:  # their calls live until the joint trace ran
+        program = _export(joint, args, dynamic, functions)
+        _drop_unread_parameters(program)
+        try:
+            with joint_decompositions(), torch.enable_grad():  # ATen ops torch.onnx cannot write (right)
+                joint_program = _export_forward_backward(program, joint_loss_index=0)
+        except Exception as exc:
+            functions.refuse_untraceable(_shown(joint))
+            raise TrainingGraphError(f"torch could not trace the backward of {_shown(joint)}: {without_terminal_codes(str(exc))}") from exc
+    if functions.applied:
+        logger.info("autograd Functions traced into the joint graph: %s", sorted(set(functions.applied)))
     return joint_program
 
 
