@@ -49,6 +49,7 @@ import torch.utils._pytree as pytree
 
 from ortpass.errors import OrtpassError
 from ortpass.runtime.module.budget import BudgetFit
+from ortpass.runtime.module.distributed import check_sharding
 from ortpass.runtime.module.facade import ModelFacade, model_signature
 from ortpass.runtime.module.graphs import BuiltGraph, GraphBuilding
 from ortpass.runtime.module.steps import LossRun, LossStep, SplitRun, SplitStep, to_ortvalue, to_torch
@@ -68,7 +69,8 @@ logger = logging.getLogger(__name__)
 _REFUSED_WRAPPERS = {
     "DistributedDataParallel": "DDP(ORTModule(model)): DDP then all-reduces the gradients ORTModule hands torch",
     "DataParallel": "ORTModule(model) on one device, with DistributedDataParallel around it for several",
-    "FullyShardedDataParallel": "ORTModule(model) with DistributedDataParallel around it",
+    "FullyShardedDataParallel": "FSDP(ORTModule(model), use_orig_params=True)",
+    "FSDPModule": "fully_shard(ORTModule(model)) (FSDP2)",
 }
 
 
@@ -222,6 +224,7 @@ class ORTModule(ModelFacade, GraphBuilding, torch.nn.Module):
         bound = bind_arguments(self.module, args, kwargs)
         schema = None
         try:
+            check_sharding(self)  # FSDP around the wrapper adapted, inside it refused (distributed.py)
             leaves, spec = flatten_arguments(self.module, bound)
             tensors = [leaf for _, leaf in leaves if isinstance(leaf, torch.Tensor)]
             names = [name for name, leaf in leaves if isinstance(leaf, torch.Tensor)]
@@ -315,7 +318,7 @@ def _refuse_wrappers(module: torch.nn.Module) -> None:
         if way is not None and cls.__module__.startswith("torch."):
             raise OrtpassError(
                 f"ORTModule cannot wrap {cls.__name__}: the export would run its forward once, so what it does "
-                f"around every call (an all-reduce per step) would happen once; wrap the other way round: {way}"
+                f"around every call (its communication every step) would happen once; wrap the other way round: {way}"
             )
 
 

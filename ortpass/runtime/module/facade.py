@@ -82,10 +82,18 @@ class ModelFacade(torch.nn.Module):
                 raise
             return getattr(module, name)
 
-    @property  # type: ignore[misc]
-    def __class__(self) -> type:  # noqa: D105 - isinstance() reads it after type()
+    def _reported_class(self) -> type:  # isinstance() reads __class__ after type()
         module = self._wrapped()
         return type(self) if module is None else module.__class__
+
+    def _set_class(self, cls: type) -> None:
+        # fully_shard (FSDP2) re-classes the module it shards from the class it reports:
+        # derive that class from the wrapper's own instead (distributed.rebased_class).
+        from ortpass.runtime.module.distributed import rebased_class
+
+        object.__dict__["__class__"].__set__(self, rebased_class(cls, self._reported_class(), type(self)))
+
+    __class__ = property(_reported_class, _set_class)  # type: ignore[assignment]
 
     def __dir__(self) -> list[str]:
         module = self._wrapped()
