@@ -175,9 +175,25 @@ class SplitRun:
     def backward(self, stash, seeds: list[torch.Tensor]) -> list[torch.Tensor]:
         session = self.graph.session
         names = [self.graph.outputs[i] for i in self.differentiated]
-        gradients = session.run_backward(self.feeds, stash, dict(zip(names, map(to_ortvalue, seeds))))
+        gradients = session.run_backward(self._feeds_now(), stash, dict(zip(names, map(to_ortvalue, seeds))))
         by_name = dict(zip(session.gradients, (to_torch(g) for g in gradients)))
         return [by_name[name] for name in self._gradient_names()]
+
+    def _feeds_now(self) -> dict:
+        """The feeds, each parameter or buffer whose memory moved since forward fed again from
+        where it is now.  FSDP frees a unit's gathered parameters after its forward and gathers
+        them again, elsewhere, before its backward: torch's saved tensors follow the storage,
+        a pointer fed at forward would read freed memory."""
+        feeds, root = self.feeds, self.module.module
+        for graph_name, state_name in self.graph.state_inputs:
+            if state_name in self.graph.written_by_ort:  # fed as a copy at forward
+                continue
+            path, _, attribute = state_name.rpartition(".")
+            tensor = getattr(root.get_submodule(path), attribute)
+            if tensor.data_ptr() != feeds[graph_name].data_ptr():
+                feeds = dict(feeds) if feeds is self.feeds else feeds
+                feeds[graph_name] = to_ortvalue(tensor)
+        return feeds
 
     def _gradient_names(self) -> list[str]:
         info = self.graph.session.info
