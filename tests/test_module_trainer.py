@@ -201,6 +201,7 @@ def test_resize_token_embeddings_builds_a_graph_for_the_new_shapes():
     wrapped = ORTModule(model)
     ids = torch.randint(0, VOCAB, (2, SEQ))
     wrapped(input_ids=ids, labels=ids).loss.backward()
+    wrapped.zero_grad()  # as a loop does after its step: the old gradients have the old shapes
     wrapped.resize_token_embeddings(VOCAB + 8)
     reference = copy.deepcopy(model)
     ids = torch.randint(0, VOCAB + 8, (2, SEQ))
@@ -255,3 +256,22 @@ def test_accelerate_prepares_unwraps_saves_and_restores_like_the_bare_model(tmp_
     fresh = accelerator.prepare(fresh)
     accelerator.load_state(tmp_path / "ort" / "state")
     _assert_same_weights(fresh.module, wrapped.module, 0.0)
+
+
+def test_peft_around_the_wrapper_trains_its_adapters_like_torch():
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    wrapped = peft.get_peft_model(ORTModule(_model("llama")), copy.deepcopy(config))
+    reference = peft.get_peft_model(_model("llama"), config)
+    reference.load_state_dict(wrapped.state_dict())  # the same adapters, under the same keys
+    optimizers = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2) for m in (wrapped, reference)]
+    generator = torch.Generator().manual_seed(3)
+    for batch, seq in [(2, SEQ), (3, SEQ - 2), (2, SEQ)]:
+        ids = torch.randint(0, VOCAB, (batch, seq), generator=generator)
+        losses = [m(input_ids=ids, labels=ids).loss for m in (wrapped, reference)]
+        assert losses[0].item() == pytest.approx(losses[1].item(), rel=1e-5)
+        for loss, optimizer in zip(losses, optimizers):
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    _assert_same_weights(wrapped, reference)
