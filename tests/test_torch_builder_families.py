@@ -15,6 +15,8 @@ other fourteen would repeat the stock run's work (about 9 of CI's 45 minutes her
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -77,3 +79,63 @@ def test_shapes_changing_every_step_train_like_torch(name):
 def test_loss_computed_in_torch_from_the_logits(name):
     wrapped = train_side_by_side(_model(name), loss_from_logits, _batches(FAMILIES[name].labels), builder="torch")
     assert wrapped.transitions.current_graph.kind == "split"
+
+
+def _close_to_torch(got: torch.Tensor, expected: torch.Tensor) -> None:
+    scale = expected.abs().max().item() + 1e-6
+    assert (got - expected).abs().max().item() <= 1e-4 * scale, (got - expected).abs().max().item()
+
+
+@pytest.mark.parametrize("name", _families(sorted(FAMILIES)))
+def test_no_grad_and_eval_calls_compute_like_torch(name):
+    """Evaluation as loops make it, each call's graph a forward one in standard ops (no
+    PythonOp: stock onnxruntime has none): ``torch.no_grad()`` in training mode with the
+    labels, then ``eval()`` with dropout 0.1 (which eval turns off) and the logits only, at
+    two sizes."""
+    batches = list(_batches(FAMILIES[name].labels))
+    model = _model(name)
+    reference = copy.deepcopy(model)
+    wrapped = ORTModule(model, builder="torch")
+    ids, labels = batches[0]
+    with torch.no_grad():
+        got, expected = wrapped(input_ids=ids, labels=labels), reference(input_ids=ids, labels=labels)
+    assert got.loss.item() == pytest.approx(expected.loss.item(), rel=1e-4)
+    _close_to_torch(got.logits, expected.logits)
+    torch.manual_seed(0)
+    model = getattr(transformers, FAMILIES[name].model)(FAMILIES[name].config(0.1)).eval()
+    reference, evaluated = copy.deepcopy(model), ORTModule(model, builder="torch")
+    for ids, labels in batches[1:]:
+        inputs = {"input_ids": ids, **({"decoder_input_ids": labels} if FAMILIES[name].labels == "seq2seq" else {})}
+        with torch.no_grad():
+            _close_to_torch(evaluated(**inputs).logits, reference(**inputs).logits)
+    for module in (wrapped, evaluated):
+        assert module.graph_builds == 1 and module.transitions.current_graph.kind == "forward"
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_evaluation_after_steps_and_an_ema_copy_compute_like_torch(name):
+    """The loop of a training script: steps, a no-grad evaluation, and an EMA copy
+    (``copy.deepcopy``, frozen, updated from the model) evaluated."""
+    batches = list(_batches(FAMILIES[name].labels))
+    model = _model(name)
+    reference = copy.deepcopy(model)
+    wrapped = ORTModule(model, builder="torch")
+    ema, reference_ema = copy.deepcopy(wrapped).requires_grad_(False), copy.deepcopy(reference).requires_grad_(False)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (wrapped, reference)]
+    for batch in batches[:2]:
+        for m, optimizer in zip((wrapped, reference), optimizers):
+            loss_from_labels(m, batch).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        with torch.no_grad():
+            for average, source in ((ema, wrapped), (reference_ema, reference)):
+                for p, q in zip(average.parameters(), source.parameters()):
+                    p.lerp_(q, 0.5)
+    ids, labels = batches[2]
+    with torch.no_grad():
+        got, expected = wrapped(input_ids=ids, labels=labels), reference(input_ids=ids, labels=labels)
+    assert got.loss.item() == pytest.approx(expected.loss.item(), rel=1e-4)
+    got, expected = ema(input_ids=ids, labels=labels), reference_ema(input_ids=ids, labels=labels)  # frozen: no grad
+    assert got.loss.item() == pytest.approx(expected.loss.item(), rel=1e-4)
+    _close_to_torch(got.logits, expected.logits)
+    assert ema.transitions.current_graph.kind == "forward"

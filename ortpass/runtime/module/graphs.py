@@ -237,8 +237,8 @@ class GraphBuilding:
         flat = FlatCall(self.module, leaves, spec, bound, find_loss=kind == "train" and self.differentiate == "auto")
         named = [*self.module.named_parameters(remove_duplicate=False), *self.module.named_buffers(remove_duplicate=False)]
         state = {f"{INNER}.{n}" for n, _ in named}
-        if kind == "train" and self.builder_in_use == "torch":
-            return self._built_by_torch(flat, names, tensors, static, state)
+        if self.builder_in_use == "torch":  # forward graphs too: no PythonOp, which stock ORT lacks
+            return self._built_by_torch(flat, names, tensors, static, state, kind)
         model = self._export(flat, names, tensors, static, kind)
         # Read now: the export at other sizes below traces ``flat`` again.
         output_leaves, output_spec, output_tree = flat.output_leaves, flat.output_spec, flat.output_tree
@@ -279,12 +279,16 @@ class GraphBuilding:
         }
         return model, meta, output_tree
 
-    def _built_by_torch(self, flat: FlatCall, names, tensors, static, state: set[str]) -> tuple[ir.Model, dict, Any]:
+    def _built_by_torch(
+        self, flat: FlatCall, names, tensors, static, state: set[str], kind: str = "train"
+    ) -> tuple[ir.Model, dict, Any]:
         """The training graph from torch's autograd (:mod:`ortpass.training.from_torch`), then
-        the pipeline's post-grad passes.  torch.export proves the dims it leaves symbolic
-        dynamic, from size 2 on; the others are pinned."""
+        the pipeline's post-grad passes; or, for a call without gradient, the forward graph
+        (:mod:`ortpass.training.forward_from_torch`).  torch.export proves the dims it leaves
+        symbolic dynamic, from size 2 on; the others are pinned."""
         import ortpass
         from ortpass.infra.pipeline_text import passes_of_phase
+        from ortpass.training.forward_from_torch import build_forward_graph_from_torch
         from ortpass.training.from_torch import buffer_updates, build_training_graph_from_torch
 
         dynamic = {n: [a for a in range(t.dim()) if (i, a) not in static] for i, (n, t) in enumerate(zip(names, tensors))}
@@ -294,13 +298,16 @@ class GraphBuilding:
             return any(kind == "loss" for _, kind in flat.output_leaves)
 
         with export_side_effects_undone(self.module), checkpointing_disabled(self.module, self._notice_checkpointing):
-            model = build_training_graph_from_torch(
-                flat, traced, input_names=names, dynamic_axes=dynamic, loss=lambda _: 0 if found_loss() else None
-            )
+            if kind == "train":
+                model = build_training_graph_from_torch(
+                    flat, traced, input_names=names, dynamic_axes=dynamic, loss=lambda _: 0 if found_loss() else None
+                )
+            else:
+                model = build_forward_graph_from_torch(flat, traced, input_names=names, dynamic_axes=dynamic)
         updates = [BufferCopy(buffer.removeprefix(f"{INNER}."), output) for output, buffer in buffer_updates(model).items()]
         has_loss = found_loss()
         outputs = [v.name for v in model.graph.outputs[: len(flat.requires_grad)]]
-        post_grad = passes_of_phase(self.pipeline, "post-grad")
+        post_grad = passes_of_phase(self.pipeline, "post-grad") if kind == "train" else None
         report = None
         if post_grad:
             result = ortpass.pipeline(post_grad, assume=["training-graph"])(model)
@@ -312,9 +319,9 @@ class GraphBuilding:
                     for a, d in enumerate(graph_inputs[n].shape or ()) if not isinstance(d, int)}  # fmt: skip
         all_dims = {(i, a) for i, t in enumerate(tensors) for a in range(t.dim())}
         meta = {
-            "kind": "loss" if has_loss else "split",
+            "kind": "forward" if kind != "train" else "loss" if has_loss else "split",
             "tensor_inputs": [n if n in graph_inputs else None for n in names],
-            "inputs_with_grad": [i for i, t in enumerate(tensors) if t.requires_grad],
+            "inputs_with_grad": [i for i, t in enumerate(tensors) if t.requires_grad and kind == "train"],
             "state_inputs": [[n, n.removeprefix(f"{INNER}.")] for n in stripped if n in graph_inputs],
             "outputs": outputs,
             "batch_norms": [update.to_list() for update in updates],
