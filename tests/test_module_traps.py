@@ -154,7 +154,12 @@ def test_a_first_export_says_one_line_at_most(builder, recwarn, caplog):
                                      optimizer=lambda params: torch.optim.SGD(params, lr=0.01))  # fmt: skip
     assert wrapped.graph_builds == 1
     assert not [w for w in recwarn if "Removing mutation" in str(w.message)]
-    said = [str(w.message) for w in recwarn] + [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    # torch.onnx's dynamo exporter (the torch builder's ONNX writer) logs that torchvision's
+    # ops are skipped when torchvision is absent, four lines each time it builds its
+    # registry: torch's own notice, outside what ortpass's export says.
+    registry = "torch.onnx._internal.exporter._registration"
+    logged = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.name != registry]
+    said = [str(w.message) for w in recwarn] + logged
     assert len(said) <= 1, said
 
 
