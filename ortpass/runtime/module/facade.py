@@ -147,6 +147,8 @@ def _strip(key: str, prefix: str) -> str:
 def _drop_wrapper_prefix(wrapper: torch.nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
     """State-dict post-hook: the wrapper's entries under the module's own keys, in place
     (the dict is shared with the modules around the wrapper, and keeps its order)."""
+    if prefix.endswith("_fsdp_wrapped_module."):  # FSDP1's own hooks then look for the keys it recorded
+        return
     module = wrapper._modules[WRAPPED]
     renamed = without_wrapper_prefix(state_dict, module, prefix)
     if renamed is state_dict:
