@@ -2,8 +2,8 @@
 
 Each rank runs every case in one process group (one spawn for the file): the sharded
 wrapper and torch's FSDP of the same model side by side, several SGD steps, each rank on
-its own shard of the batch.  Losses and the full parameters after the last step must
-match torch's (1e-5); a refusal must name FSDP, say what to do instead in a few lines and
+its own shard of the batch.  Losses and the full parameters after the last step (and a
+``state_dict`` round trip) must match torch's (1e-5); a refusal must name FSDP, say what to do instead in a few lines and
 quote no tensor.  What each case does and why: ortpass/runtime/module/distributed.py.
 
 - FSDP1 at the root with ``use_orig_params=True`` (the loss inside), FSDP2 at the root
@@ -122,14 +122,24 @@ def _run_case(case: str, rank: int) -> dict:
             optimizer.zero_grad()
             step.append(loss.item())
         losses.append(step)
+    wrapped.load_state_dict(wrapped.state_dict())  # a checkpoint's round trip, under FSDP's own hooks
     return {"losses": losses, "wrapped": _full_parameters(wrapped), "reference": _full_parameters(reference)}
+
+
+def _outcome(case: str, rank: int) -> dict:
+    """The case's result, or the error it raised (each case fails on its own; both ranks
+    raise alike, so the other cases still find their peers)."""
+    try:
+        return _run_case(case, rank)
+    except Exception as exc:  # reported by the test of that case
+        return {"error": f"{type(exc).__name__}: {str(exc)[:1000]}"}
 
 
 def _run_all(rank: int, rendezvous: str, results: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD)
     try:
-        outcomes = {case: _run_case(case, rank) for case in TRAINED + REFUSED}
+        outcomes = {case: _outcome(case, rank) for case in TRAINED + REFUSED}
         torch.save(outcomes, os.path.join(results, f"rank{rank}.pt"))
         # ORT's sessions (and their thread pools) go before the process group and before
         # interpreter shutdown (tests/test_module_ddp.py).
@@ -167,6 +177,7 @@ def _check_refusal(message: str) -> None:
 @pytest.mark.parametrize("case", TRAINED + REFUSED)
 def test_fsdp_trains_as_torch_fsdp_or_is_refused_by_name(outcomes, case):
     results = [rank[case] for rank in outcomes]
+    assert all("error" not in result for result in results), [result.get("error") for result in results]
     if _refused_on_this_runtime(case):
         for result in results:
             assert "refused" in result, f"{case} ran; expected a refusal"
