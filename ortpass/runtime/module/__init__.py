@@ -295,7 +295,7 @@ class ORTModule(ModelFacade, GraphBuilding, torch.nn.Module):
         self.transitions.record("fallback", cause)
         message = f"ORTModule runs {type(self.module).__name__} in torch for these inputs (fallback='torch'): {cause}"
         logger.warning(message)
-        warnings.warn(message, stacklevel=3)
+        warnings.warn(message, stacklevel=_user_stack_level())
 
     # -- building ---------------------------------------------------------------------------
 
@@ -334,6 +334,19 @@ def _refuse_autocast(module: torch.nn.Module, tensors: list[torch.Tensor]) -> No
             "parameters' dtype and ignore it; call the module outside autocast, or, to train in float16, convert "
             "the model (model.half()) before wrapping it and compute the loss in torch from its outputs"
         )
+
+
+def _user_stack_level() -> int:
+    """The ``stacklevel`` that makes a warning of :meth:`ORTModule._fall_back` point at the
+    user's call (the first frame outside ortpass and torch: ``forward`` is wrapped by
+    torch's compiler-disable and called through ``nn.Module.__call__``)."""
+    import sys
+
+    inside = (str(Path(torch.__file__).parent), str(Path(__file__).parents[2]))
+    level, frame = 1, sys._getframe(1)  # 1: the frame that calls warnings.warn
+    while frame is not None and frame.f_code.co_filename.startswith(inside):
+        level, frame = level + 1, frame.f_back
+    return level
 
 
 def _names_cuda(providers: Any) -> bool:
