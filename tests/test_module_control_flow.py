@@ -143,6 +143,38 @@ def test_a_value_from_sizes_only_is_not_refused(builder):
     assert wrapped.graph_builds >= 1  # ran on ORT: nothing fell back
 
 
+class ScaleByMax(torch.autograd.Function):
+    """Reads a value in its forward: exported as one PythonOp, which torch runs every step."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.scale = float(x.abs().max()) + 1.0
+        return x / ctx.scale
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad / ctx.scale
+
+
+class ScaledByAFunction(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return (ScaleByMax.apply(self.linear(x)) ** 2).mean()
+
+
+@pytest.mark.skipif(not has_training_ops(), reason="a Function runs as a PythonOp on ORT's builder only")
+def test_a_value_read_inside_an_autograd_function_is_not_refused():
+    from ortpass.export import register_function
+
+    register_function(ScaleByMax)
+    batches = [(torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(seed)) * seed,) for seed in (1, 2, 3)]
+    wrapped = train_side_by_side(_model(ScaledByAFunction), lambda model, batch: model(*batch), batches)
+    assert wrapped.graph_builds == 1
+
+
 @pytest.mark.stock
 def test_a_transformers_attention_mask_is_not_refused():
     """transformers reads the mask's sizes while tracing (its value-reading shortcuts are

@@ -23,6 +23,10 @@ lists them): sizes of masks and positions, ``torch.arange`` bounds, and checks o
 constants.  transformers skips its value-reading shortcuts (``padding_mask.all()``)
 while ``torch.jit.is_tracing()``.
 
+A conversion inside a ``torch.autograd.Function``'s forward is allowed: the exporter writes
+the call as one PythonOp, whose forward torch runs at every step, or with the Function's
+registered exporter; the trace keeps none of its Python.
+
 Known safe call sites that read data, each with its reason (:data:`SAFE_CALL_SITES`):
 BatchNorm's cumulative average (``momentum=None``) reads ``num_batches_tracked``, but
 ORTModule computes the running statistics itself (:mod:`ortpass.runtime.module.state`),
@@ -106,11 +110,8 @@ class Conversion:
     file: str
     line: int
     code: str
-    source: str  # "sizes", or what makes it data-dependent ("the data of input x", "a random op")
-
-    @property
-    def data_dependent(self) -> bool:
-        return self.source != "sizes"
+    source: str  # what it reads: "sizes", "the data of x", "a random op (...)"
+    data_dependent: bool  # False for sizes, and where the value cannot freeze the graph
 
     def where(self) -> str:
         return f"{self.file}:{self.line}" + (f": {self.code}" if self.code else "")
@@ -128,6 +129,22 @@ class _Watch:
 
     def __init__(self) -> None:
         self.conversions: list[Conversion] = []
+        self.in_function = 0  # depth of autograd.Function calls the trace is inside
+
+    def wrap_apply(self, original):
+        """``Function.apply`` that counts the calls the trace is inside: a Function's
+        forward is exported as one PythonOp (run by torch at every step) or by its own
+        symbolic, so a value it reads freezes nothing."""
+        watch = self
+
+        def apply(cls, *args, **kwargs):
+            watch.in_function += 1
+            try:
+                return original.__get__(None, cls)(*args, **kwargs)
+            finally:
+                watch.in_function -= 1
+
+        return classmethod(apply)
 
     def wrap(self, original, what: str):
         def converted(*args, **kwargs):
@@ -147,10 +164,13 @@ class _Watch:
         file, line = where
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         source = _first_data_source(tensors)
-        if source != "sizes" and _is_safe_call_site(caller.f_code.co_filename, caller.f_code.co_name):
-            source = "sizes"
+        frozen = source != "sizes"
+        if frozen and _is_safe_call_site(caller.f_code.co_filename, caller.f_code.co_name):
+            source, frozen = f"{source}, at a known safe call site", False
+        elif frozen and self.in_function:
+            source, frozen = f"{source}, inside an autograd.Function's forward", False
         code = linecache.getline(file, line).strip()
-        self.conversions.append(Conversion(what, file, line, code, source))
+        self.conversions.append(Conversion(what, file, line, code, source, frozen))
 
 
 def _user_frame(frame) -> tuple[str, int] | None:
@@ -209,18 +229,30 @@ def watching_conversions() -> Iterator[list[Conversion]]:
     """Record, while the body traces, each conversion of a tensor to a Python value; the
     list yielded fills as the trace runs."""
     watch = _Watch()
-    for name, what in _METHODS.items():  # none is in torch.Tensor's own dict: deleting restores
-        setattr(torch.Tensor, name, watch.wrap(getattr(torch._C.TensorBase, name), what))
+    # torch.Tensor inherits these from TensorBase: what its own dict held is put back (an
+    # outer watch's wrapper, where exports nest), or the name deleted.
+    own = {name: torch.Tensor.__dict__.get(name, _INHERITED) for name in _METHODS}
+    for name, what in _METHODS.items():
+        setattr(torch.Tensor, name, watch.wrap(getattr(torch.Tensor, name), what))
     originals = {name: getattr(torch, name) for name in _FUNCTIONS}
     for name, what in _FUNCTIONS.items():
         setattr(torch, name, watch.wrap(originals[name], what))
+    apply = torch.autograd.Function.__dict__["apply"]
+    torch.autograd.Function.apply = watch.wrap_apply(apply)
     try:
         yield watch.conversions
     finally:
-        for name in _METHODS:
-            delattr(torch.Tensor, name)
+        for name, value in own.items():
+            if value is _INHERITED:
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, value)
         for name, original in originals.items():
             setattr(torch, name, original)
+        torch.autograd.Function.apply = apply
+
+
+_INHERITED = object()
 
 
 def refuse_data_dependent(conversions: list[Conversion], module_name: str, cause: BaseException | None = None) -> None:
@@ -229,7 +261,7 @@ def refuse_data_dependent(conversions: list[Conversion], module_name: str, cause
     found = list(dict.fromkeys(c for c in conversions if c.data_dependent))
     for conversion in conversions:
         if not conversion.data_dependent:
-            logger.debug("trace of %s: %s converted to %s from sizes only", module_name, conversion.where(), conversion.what)
+            logger.debug("trace of %s: %s converted to %s from %s", module_name, conversion.where(), conversion.what, conversion.source)
     if not found:
         return
     lines = "\n".join(f"  {c.where()} ({c.what} from {c.source})" for c in found[:5])
