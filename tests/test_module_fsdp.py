@@ -10,9 +10,9 @@ quote no tensor.  What each case does and why: ortpass/runtime/module/distribute
   (the loss computed in torch), and an ORTModule per layer, each a non-root FSDP1 or FSDP2
   unit that frees its gathered parameters after forward and gathers them again before
   backward: trained.  On stock onnxruntime (``builder="torch"``) FSDP1 is refused.
-- FSDP1 with ``use_orig_params=False``, FSDP1 units inside the wrapped module (per-layer
-  auto-wrap), ``ORTModule(fully_shard(model))`` and ``fully_shard`` on a submodule of the
-  wrapped module: refused.
+- FSDP1 with ``use_orig_params=False`` (at the wrapper or around it), FSDP1 units inside
+  the wrapped module (per-layer auto-wrap), ``ORTModule(fully_shard(model))`` and
+  ``fully_shard`` on a submodule of the wrapped module: refused.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.stock]
 
 WORLD, STEPS = 2, 3
 TRAINED = ["fsdp1-root", "fsdp2-root", "fsdp1-per-layer", "fsdp2-per-layer"]
-REFUSED = ["fsdp1-flat-params", "fsdp1-auto-wrap-inside", "fsdp2-inside", "fsdp2-on-a-submodule"]
+REFUSED = ["fsdp1-flat-params", "fsdp1-flat-params-outer", "fsdp1-auto-wrap-inside", "fsdp2-inside", "fsdp2-on-a-submodule"]
 STOCK_REFUSED = {"fsdp1-root", "fsdp1-per-layer"}  # builder="torch": torch.export takes no FSDP1 views
 
 
@@ -76,6 +76,8 @@ def _pair(case: str, model: torch.nn.Module):
                 fully_shard(_per_layer(reference, fully_shard)))  # fmt: skip
     if case == "fsdp1-flat-params":
         return _fsdp1(ort(model), use_orig_params=False), None
+    if case == "fsdp1-flat-params-outer":  # the flat parameter on a module around the wrapper
+        return _fsdp1(_Outer(ort(model)), use_orig_params=False), None
     if case == "fsdp1-auto-wrap-inside":
         return _fsdp1(ort(model), auto_wrap_policy=ModuleWrapPolicy({TransformerBlock})), None
     if case == "fsdp2-inside":
@@ -147,6 +149,17 @@ def _run_all(rank: int, rendezvous: str, results: str) -> None:
         gc.collect()
     finally:
         dist.destroy_process_group()
+
+
+class _Outer(torch.nn.Module):
+    """A bigger model around the wrapper."""
+
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, ids, labels):
+        return self.inner(ids, labels)
 
 
 class _FlatLogits(torch.nn.Module):

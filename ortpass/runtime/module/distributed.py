@@ -47,18 +47,29 @@ def check_sharding(wrapper: torch.nn.Module) -> None:
         return
     from torch.distributed.fsdp import FlatParameter, FSDPModule, FullyShardedDataParallel
 
+    flat_views = any(isinstance(p, FlatParameter) for p in wrapper._parameters.values())
     for path, m in wrapper.module.named_modules():
         if isinstance(m, (FullyShardedDataParallel, FSDPModule)):
             raise OrtpassError(_inside(path, m))
-    if any(isinstance(p, FlatParameter) for p in wrapper._parameters.values()):
+        flat_views = flat_views or _has_flat_views(m, FlatParameter)
+    if flat_views:
         raise OrtpassError(
             "ORTModule cannot run under FullyShardedDataParallel with use_orig_params=False: FSDP hands the forward "
             "its parameters as views of one flat parameter, not as the module's parameters, so the graph cannot be "
-            "fed them.\nWrap with FSDP(ORTModule(model), use_orig_params=True)."
+            "fed them.\nPass use_orig_params=True: FSDP(ORTModule(model), use_orig_params=True)."
         )
     if isinstance(wrapper, FSDPModule):
         _state_dict_hooks_to_root(wrapper)
     _check_parameters(wrapper)
+
+
+def _has_flat_views(module: torch.nn.Module, flat_parameter: type) -> bool:
+    """Whether FSDP1 with ``use_orig_params=False`` (its flat parameter on a module around
+    the wrapper) set ``module``'s parameters as plain views: attributes, not parameters."""
+    return any(
+        isinstance(getattr(value, "_base", None), flat_parameter) and name not in module._parameters
+        for name, value in vars(module).items()
+    )
 
 
 def _inside(path: str, unit: torch.nn.Module) -> str:
