@@ -8,16 +8,21 @@ parameters and unsharded for this call, and nothing of FSDP may run inside the m
 
 - ``FSDP(ORTModule(m), use_orig_params=True)``: during forward FSDP registers views of its
   unsharded flat parameter as the module's parameters; the wrapper feeds them and hands
-  their gradients to autograd, which carries them into the flat parameter.  Runs.
-- ``FSDP(ORTModule(m))`` with ``use_orig_params=False``: those views are plain tensor
-  attributes, not parameters, and the flat parameter sits on the wrapper.  Refused.
+  their gradients to autograd, which carries them into the flat parameter.  Runs, at the
+  root or as a unit of its own inside a bigger model (an ``ORTModule`` per layer); a unit
+  that frees its parameters after forward gathers them again before backward, where the
+  split step feeds them from where they are then (:mod:`ortpass.runtime.module.steps`).
+  With ``builder="torch"`` refused: torch.export takes only ``nn.Parameter`` s.
+- ``use_orig_params=False``: the views are plain tensor attributes, not parameters (the
+  flat parameter sits on the wrapper or on a module around it).  Refused.
 - FSDP inside the wrapped module (an ``auto_wrap_policy`` unit, ``fully_shard`` on a
-  submodule, ``ORTModule(fully_shard(m))``): refused.  ``ORTModule(FSDP(m))`` is refused
-  when wrapping (``_REFUSED_WRAPPERS``).
-- ``fully_shard(ORTModule(m))`` (FSDP2): before forward FSDP2 swaps in unsharded plain
-  parameters, but the ``state_dict`` pre-hook it puts on every module holding parameters
-  reshards them to DTensors, and the exporter reads the state dict.  Those hooks move to
-  the wrapper, the root a ``state_dict()`` of the sharded model starts at.  Runs.
+  submodule, ``ORTModule(fully_shard(m))``): refused.  ``ORTModule(FSDP(m))`` and
+  ``ORTModule(fully_shard(m))`` are refused when wrapping (``_REFUSED_WRAPPERS``).
+- ``fully_shard(ORTModule(m))`` (FSDP2): it re-classes the wrapper (:func:`rebased_class`),
+  and before forward swaps in unsharded plain parameters; but the ``state_dict`` pre-hook
+  it puts on every module holding parameters reshards them to DTensors, and the exporter
+  reads the state dict.  Those hooks move to the wrapper, the root a ``state_dict()`` of
+  the sharded model starts at.  Runs.
 - Any other DTensor parameter at forward time (tensor parallelism): refused.
 """
 
