@@ -11,14 +11,12 @@ checks and the rollback work, and what they cost: ``docs/design/checks-and-rollb
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, NoReturn, Sequence
+from typing import Any, Callable, Iterable, NoReturn, Sequence
 
 import onnx
 import onnx_ir as ir
@@ -33,6 +31,7 @@ from ortpass.infra.analysis_cache import AnalysisCache
 from ortpass.infra.base import PassDeclarations, pass_name_of
 from ortpass.infra.checkers import Accepted, checker_for
 from ortpass.infra.checks import full_check
+from ortpass.infra.gc_pause import CyclicGcPaused
 from ortpass.infra.node_diff import all_nodes, count_ops, diff_nodes
 from ortpass.infra.ordering import order_passes
 from ortpass.infra.report import ManagerResult, PassRecord, PassReport, stats_of
@@ -43,22 +42,6 @@ from ortpass.io import write_with
 logger = logging.getLogger(__name__)
 
 __all__ = ["PassManager"]
-
-
-@contextlib.contextmanager
-def _cyclic_gc_paused() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector for a run, then restore it as it was: an IR
-    graph is many small objects in reference cycles, and collections walking them all over
-    and over cost a tenth of a large run (docs/design/checks-and-rollback.md)."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
 
 
 #: How to get back the model a pass was given: the model, and None or a sentence saying
@@ -151,10 +134,10 @@ class PassManager(ir.passes.FunctionalPass):
         return f"PassManager([{', '.join(pass_name_of(p) for p in self.passes)}])"
 
     def call(self, model: ir.Model) -> ManagerResult:
-        with _cyclic_gc_paused():
-            return self._run(model)
+        with CyclicGcPaused() as collector:
+            return self._run(model, collector)
 
-    def _run(self, model: ir.Model) -> ManagerResult:
+    def _run(self, model: ir.Model, collector: CyclicGcPaused) -> ManagerResult:
         report = PassReport()
         self.report = report
         checked = self._check_input(model)
@@ -166,6 +149,7 @@ class PassManager(ir.passes.FunctionalPass):
             try:
                 for position, pass_ in enumerate(self.passes, start=1):
                     current, checked, nodes = self._run_pass(run, position, pass_, current, checked, nodes)
+                    collector.between_passes()
             except PassFailedError as failure:
                 if self.checker.confirms_with_onnx_checker:
                     self._refuse_input_if_the_checker_does(model, f"pass {failure.pass_name!r} failed: {failure.reason}")
