@@ -306,3 +306,25 @@ def test_attention_time_measures_every_kernel_and_both_checkpointed_steps_on_tin
     assert len(steps["flash"]) == len(steps["math"]) == 1 and min(steps["flash"] + steps["math"]) > 0
     table = attention_time.markdown({"kernels": kernels, "checkpointed_steps": steps, "load": [0.0, 0.0]})
     assert "| torch SDPA, flash kernel |" in table and "| math |" in table
+
+
+@pytest.mark.slow
+def test_first_step_times_every_phase_and_torch_compile_on_a_tiny_llama(monkeypatch, tmp_path):
+    monkeypatch.setenv("ORTPASS_BENCH_TINY", "1")  # read by the script and by its children
+    first_step = _load("first_step")
+    results = first_step.run(["llama"], [1, 2], ["ortpass", "cache", "compile"], threads=1, limit=900)
+    rows = {(r["side"], r["layers"]): r for r in results["rows"]}
+    assert set(rows) == {(side, layers) for side in first_step.SIDES for layers in (1, 2)}
+    ort = rows["ortpass", 2]
+    assert {"export", "dims proof", "pythonop-shape-inference", "build-training-graph", "ORT session",
+            "cache write"} <= set(ort["phase_seconds"])  # fmt: skip
+    assert all(seconds >= 0 for seconds in ort["phase_seconds"].values())
+    assert ort["training_nodes"] > rows["ortpass", 1]["training_nodes"] and ort["peak_mib"] >= 0
+    cache = rows["cache", 2]
+    assert cache["graph_builds"] == 0 and "cache load" in cache["phase_seconds"]  # loaded, not exported
+    assert rows["compile", 2]["seconds"] > 0 and rows["compile", 2]["workers_mib"] >= 0
+    assert first_step.ratios(results, "llama") == {"t(2)/t(1)": round(ort["seconds"] / rows["ortpass", 1]["seconds"], 2)}
+    table = first_step.markdown(results)
+    assert "| layers | nodes (training) | ortpass first call s |" in table and "Growth against the node count" in table
+    first_step.plot(results, tmp_path / "first_step.png")
+    assert (tmp_path / "first_step.png").stat().st_size > 0
