@@ -84,7 +84,7 @@ def _assert_same_weights(a: torch.nn.Module, b: torch.nn.Module, tolerance: floa
 def test_trainer_with_default_arguments_trains_evaluates_and_checkpoints_like_torch(name, tmp_path):
     reference = _trainer(_model(name), tmp_path / "torch")
     reference.train()
-    wrapped_model = ORTModule(_model(name))
+    wrapped_model = ORTModule(_model(name), cache_dir=tmp_path / "graphs")  # the resumed run loads its graph
     trainer = _trainer(wrapped_model, tmp_path / "ort")
     trainer.train()
 
@@ -104,10 +104,11 @@ def test_trainer_with_default_arguments_trains_evaluates_and_checkpoints_like_to
                          transformers.AutoModelForCausalLM.from_pretrained(torch_checkpoint))  # fmt: skip
 
     # Resumed from it in a new Trainer over a new wrapper: the same last two steps.
-    resumed_model = ORTModule(_model(name))
+    resumed_model = ORTModule(_model(name), cache_dir=tmp_path / "graphs")
     resumed = _trainer(resumed_model, tmp_path / "ort")
     resumed.train(resume_from_checkpoint=str(checkpoint))
     assert _losses(resumed)[-2:] == pytest.approx(expected[-2:], rel=1e-4)
+    assert resumed_model.graph_builds == 0, resumed_model.transitions.transitions
     _assert_same_weights(resumed_model.module, reference.model)
 
 
