@@ -51,13 +51,17 @@ class model_signature:  # noqa: N801 - used as a decorator, like functools' lowe
         functools.update_wrapper(self, function)
 
     def __get__(self, instance: Any, owner: type | None = None) -> Callable:
-        if instance is None:
-            return self.function
-        bound = functools.partial(self.function, instance)
-        module = instance.__dict__.get("_modules", {}).get(WRAPPED)
-        if module is not None:
-            bound.__signature__ = inspect.signature(module.forward)  # type: ignore[attr-defined]
-        return bound
+        return self.function if instance is None else _BoundForward(self.function, instance)
+
+
+class _BoundForward(functools.partial):
+    """``forward`` bound to a wrapper; its signature, read only when asked, is the module's."""
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        wrapper = self.args[0]
+        module = wrapper.__dict__.get("_modules", {}).get(WRAPPED)
+        return inspect.signature(self.func if module is None else module.forward)
 
 
 class ModelFacade(torch.nn.Module):
