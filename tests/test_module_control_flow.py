@@ -143,6 +143,17 @@ def test_a_value_from_sizes_only_is_not_refused(builder):
     assert wrapped.graph_builds >= 1  # ran on ORT: nothing fell back
 
 
+@pytest.mark.skipif(not has_training_ops(), reason="the torch builder refuses momentum=None (from_torch.py)")
+def test_batch_norms_cumulative_average_is_a_known_safe_read():
+    """``momentum=None`` reads ``num_batches_tracked`` in torch's own BatchNorm (here in an
+    ``nn.Sequential`` of torch layers only); ORTModule computes the statistics in torch."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8, momentum=None), nn.Linear(8, 1))
+    batches = [(torch.randn(6, 4, generator=torch.Generator().manual_seed(seed)),) for seed in (1, 2, 3)]
+    wrapped = train_side_by_side(model, lambda m, batch: (m(*batch) ** 2).mean(), batches)
+    assert wrapped.graph_builds == 1
+
+
 class ScaleByMax(torch.autograd.Function):
     """Reads a value in its forward: exported as one PythonOp, which torch runs every step."""
 

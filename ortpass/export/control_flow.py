@@ -19,8 +19,8 @@ It is allowed when everything it comes from is a size (``aten::size``, ``numel``
 ORTModule's second export at other sizes (:mod:`ortpass.runtime.module.dims`) pins every
 dim whose size the graph baked in (a constant that differs between the two exports).
 This is what the Hugging Face families do while tracing (``docs/design/control-flow.md``
-lists them): sizes of masks and positions, ``torch.arange`` bounds, and checks on
-constants.  transformers skips its value-reading shortcuts (``padding_mask.all()``)
+lists them): comparisons of sizes (query and key lengths, the mask's length).
+transformers skips its value-reading shortcuts (``padding_mask.all()``)
 while ``torch.jit.is_tracing()``.
 
 A conversion inside a ``torch.autograd.Function``'s forward is allowed: the exporter writes
@@ -100,6 +100,10 @@ SAFE_CALL_SITES = {
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _ORTPASS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+#: ortpass's code that runs inside the trace on purpose (probes, symbolics, PythonOp export).
+_ORTPASS_HOOKS = tuple(os.path.join(_ORTPASS_DIR, p) for p in ("export" + os.sep, "pythonop" + os.sep))
+#: ortpass's code that only calls the module being traced.
+_ORTPASS_CALLERS = (os.path.join(_ORTPASS_DIR, "export", "torchscript.py"),)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,12 +179,20 @@ class _Watch:
 
 def _user_frame(frame) -> tuple[str, int] | None:
     """(file, line) of the code that converted: the innermost frame outside torch (the
-    line in the user's code, or in transformers', that called into torch); None where
-    that is ortpass's own code (the density probe reads the labels on purpose)."""
+    line in the user's code, or in transformers', that called into torch).  Where that
+    frame is ortpass's hook into the trace (the density probe reads the labels on
+    purpose): None.  Where it is ortpass's call of the module (the export, ORTModule's
+    flat view), the module is torch's own (an ``nn.Sequential`` of torch layers): the
+    line in torch that converted."""
+    innermost = frame
     while frame is not None:
         file = frame.f_code.co_filename
         if not file.startswith(_TORCH_DIR):
-            return None if file.startswith(_ORTPASS_DIR) else (file, frame.f_lineno)
+            if not file.startswith(_ORTPASS_DIR):
+                return file, frame.f_lineno
+            if file.startswith(_ORTPASS_HOOKS) and not file.startswith(_ORTPASS_CALLERS):
+                return None
+            return innermost.f_code.co_filename, innermost.f_lineno
         frame = frame.f_back
     return None
 
