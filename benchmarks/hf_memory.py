@@ -73,8 +73,12 @@ CONFIGS = [
     ("torch_builder", "ortpass, torch builder (training build)", "ort"),
     ("torch_builder_stock", "ortpass, torch builder, stock onnxruntime", "ort-stock"),
     ("wrapper_stock", "ortpass.ORTModule (dynamic dims), stock onnxruntime", "wrapper-stock"),
+    ("wrapper_split", "ortpass.ORTModule, loss computed in torch from the logits", "wrapper"),
+    ("wrapper_split_stock", "ortpass.ORTModule, loss computed in torch from the logits, stock onnxruntime",
+     "wrapper-stock"),
     ("torch", "torch eager (SDPA)", "torch"),
     ("torch_ckpt", "torch eager + gradient_checkpointing_enable()", "torch"),
+    ("torch_sac", "torch eager + selective activation checkpointing (matmuls and attention kept)", "torch"),
 ]
 
 
@@ -178,6 +182,10 @@ def child_torch(work: Path, family: str, seq: int, key: str, steps: int) -> dict
     model.load_state_dict(torch.load(work / "weights.pt"))
     if key == "torch_ckpt":
         model.gradient_checkpointing_enable()
+    elif key == "torch_sac":
+        from selective_checkpointing import enable_selective_checkpointing
+
+        enable_selective_checkpointing(model)
     model.train()
     batch = {k: torch.from_numpy(v) for k, v in np.load(work / "batch.npz").items()}
     losses = []
@@ -193,10 +201,11 @@ def child_torch(work: Path, family: str, seq: int, key: str, steps: int) -> dict
     return result
 
 
-def child_wrapper(work: Path, family: str, seq: int, steps: int) -> dict:
-    """``ortpass.ORTModule`` over the loss module, as a user runs it: the graph built at
-    the first step with every input dim dynamic, its default pipeline (on stock
-    onnxruntime: the torch builder).  The memory run's sessions get the arena off, as the
+def child_wrapper(work: Path, family: str, seq: int, steps: int, loss: str = "module") -> dict:
+    """``ortpass.ORTModule`` as a user runs it: the graph built at the first step with every
+    input dim dynamic, its default pipeline (on stock onnxruntime: the torch builder); over
+    the loss module (``loss="module"``), or over the model with the loss computed in torch
+    from its logits (``loss="torch"``: forward and backward run apart).  The memory run's sessions get the arena off, as the
     other rows' (``hf_memory_real_width._sessions_without_arena``); the timing run loads the
     graph the memory run built from the shared ``cache_dir``."""
     import numpy as np
@@ -211,10 +220,22 @@ def child_wrapper(work: Path, family: str, seq: int, steps: int) -> dict:
     model.config.use_cache = False  # ORTModule returns tensors only
     model.train()
     batch = {k: torch.from_numpy(v) for k, v in np.load(work / "batch.npz").items()}
-    wrapped = ortpass.ORTModule(_loss_module(model), cache_dir=work / f"cache_{family}")
+    if loss == "torch":
+        wrapped = ortpass.ORTModule(model, cache_dir=work / f"cache_{family}_split")
+
+        def forward():
+            logits = wrapped(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            shifted = logits[:, :-1].flatten(0, 1).float()  # as transformers' causal LM loss
+            return torch.nn.functional.cross_entropy(shifted, batch["labels"][:, 1:].flatten())
+    else:
+        wrapped = ortpass.ORTModule(_loss_module(model), cache_dir=work / f"cache_{family}")
+
+        def forward():
+            return wrapped(**batch)
+
     losses: list[float] = []
     torch.manual_seed(0)
-    result = rm._measure(_training_step(wrapped, lambda: wrapped(**batch), losses), steps)
+    result = rm._measure(_training_step(wrapped, forward, losses), steps)
     result.update(loss=losses[0], graph_builds=wrapped.graph_builds, sessions_without_arena=len(without_arena),
                   torch_imported=True)
     return result
@@ -254,8 +275,9 @@ def run(families: list[str], seq: int, steps: int, only: list[str] | None = None
                     args = ("ort-cpp", str(work), str(steps), str(int(key == "ort_cpp_l1")))
                 elif kind == "ort-stock":
                     args = ("ort", str(work), key, str(steps), "0")
-                elif kind == "wrapper-stock":
-                    args = ("wrapper", str(work), family, str(seq), str(steps))
+                elif kind.startswith("wrapper"):
+                    loss = "torch" if key.startswith("wrapper_split") else "module"
+                    args = ("wrapper", str(work), family, str(seq), str(steps), loss)
                 elif kind.startswith("ort"):
                     args = ("ort", str(work), key, str(steps), str(int(kind == "ort-bridge")))
                 else:
@@ -333,7 +355,8 @@ def _goal(family: str, configs: dict) -> list[str]:
     level 1, step time at most 1.2x torch + checkpointing's."""
     ckpt, cpp = configs["torch_ckpt"], configs["ort_cpp_l1"]
     lines = []
-    for key in ("ortpass", "ortpass_fused", "torch_builder", "torch_builder_stock", "wrapper_stock"):
+    for key in ("ortpass", "ortpass_fused", "torch_builder", "torch_builder_stock", "wrapper_stock", "wrapper_split",
+                "wrapper_split_stock"):
         if key not in configs:
             continue
         ours = configs[key]
@@ -362,7 +385,7 @@ def main(argv: list[str] | None = None) -> None:
         elif kind == "ort-cpp":
             out = rm.child_ort_cpp(path, int(rest[0]), recompute=rest[1] == "1")
         elif kind == "wrapper":
-            out = child_wrapper(path, rest[0], int(rest[1]), int(rest[2]))
+            out = child_wrapper(path, rest[0], int(rest[1]), int(rest[2]), rest[3])
         else:
             out = child_torch(path, rest[0], int(rest[1]), rest[2], int(rest[3]))
         print(json.dumps(out))

@@ -150,6 +150,9 @@ def test_hf_memory_measures_every_configuration_on_a_tiny_gpt2(monkeypatch):
     # GPT-2's attention dropout (0.1) keeps ORTModule's "auto" default on the plain row.
     assert results["families"]["gpt2"]["prepare"]["auto_fuses"] is False
     assert "gpt2: ORTModule's default (fused_attention='auto') is the row \"ortpass default pipeline\"." in table
+    # The loop that computes the loss in torch runs ORTModule's split step, built once.
+    assert configs["wrapper_split"]["graph_builds"] == 1 and configs["wrapper_split"]["loss"] > 0
+    assert "gpt2, ortpass.ORTModule, loss computed in torch from the logits: goal" in table
 
 
 @pytest.mark.slow
