@@ -109,6 +109,10 @@ def test_functions_with_their_own_backward_train_like_torch():
     assert all(not torch.allclose(g, h, atol=1e-4) for g, h in zip(own[:4], derived[:4]))  # first, second
     wrapped = train_side_by_side(model, lambda m, b: m(*b), _batches(), builder="torch")
     assert wrapped.graph_builds == 1  # the batch dim is dynamic through the Functions
+    x, labels = next(_batches((7,)))
+    with torch.no_grad():  # a forward graph: the Functions' forward inlined
+        assert wrapped(x, labels).item() == pytest.approx(model(x, labels).item(), rel=1e-5)
+    assert wrapped.transitions.current_graph.kind == "forward"
 
 
 class ThroughNumpy(torch.autograd.Function):
@@ -154,3 +158,9 @@ def test_bloom_trains_with_its_gelu_function_like_torch():
         model, lambda m, b: m(input_ids=b[0], labels=b[1]).loss, causal_batches("causal"), builder="torch"
     )
     assert wrapped.graph_builds == 1
+    ids, labels = next(causal_batches("causal", seed=2))
+    wrapped.eval()
+    with torch.no_grad():  # evaluated: GeLUFunction's forward in a forward graph, against the model in torch
+        got, expected = wrapped(input_ids=ids, labels=labels), model(input_ids=ids, labels=labels)
+    assert got.loss.item() == pytest.approx(expected.loss.item(), rel=1e-5)
+    assert wrapped.transitions.current_graph.kind == "forward"
