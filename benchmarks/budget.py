@@ -16,8 +16,10 @@ dropout 0.1, LLaMA none).  Configurations (``CONFIGS``):
 - ``torch``: torch eager (SDPA); ``torch_ckpt_k1``/``k2``/``k4``: transformers'
   ``activation_checkpointing_enable(every_n_layers=k)`` (``torch.utils.checkpoint``,
   ``use_reentrant=False``, on decoder layers 0, k, 2k, ...; k=1 is every layer, as
-  ``gradient_checkpointing_enable()``); their first-step loss and gradient norm are checked
-  against ``torch``'s;
+  ``gradient_checkpointing_enable()``); ``torch_ckpt_sac``: torch's selective activation
+  checkpointing on every layer (``benchmarks/selective_checkpointing.py``: matmuls and
+  attention kept, the rest recomputed); their first-step loss and gradient norm are
+  checked against ``torch``'s;
 - ``ortpass_budget_i``, i = 0..4: the default pipeline with ``fix-dropout-seed(level=1),
   recompute(level=1)`` replaced by ``fix-dropout-seed(budget=B),recompute(budget=B)``
   (:func:`budget_pipeline`), B = peak(torch_ckpt_k1) + i/4 (peak(ort) - peak(torch_ckpt_k1)),
@@ -91,6 +93,7 @@ CONFIGS = [
     ("ort_l1", "ortpass default pipeline, recompute(level=1)", "ort"),
     ("torch", "torch eager (SDPA)", "torch"),
     *[(f"torch_ckpt_k{k}", f"torch eager + checkpoint every {_NTH[k]}layer", "torch") for k in CKPT_EVERY],
+    ("torch_ckpt_sac", "torch eager + selective activation checkpointing (matmuls and attention kept)", "torch"),
     *[(f"ortpass_budget_{i}", f"ortpass, budget {i}/4", "ort-budget") for i in range(POINTS)],
     *[(f"torch_compile_budget_{i}", f"torch.compile, activation_memory_budget={i / 4:g}", "torch-compile")
       for i in range(POINTS)],
@@ -244,7 +247,8 @@ def _grad_norm(model) -> float:
 
 
 def child_torch(work: Path, family: str, seq: int, key: str, steps: int) -> dict:
-    """torch eager, with checkpointing on every k-th layer for ``torch_ckpt_k<k>``."""
+    """torch eager, with checkpointing on every k-th layer for ``torch_ckpt_k<k>``, and with
+    torch's selective activation checkpointing on every layer for ``torch_ckpt_sac``."""
     import torch
 
     model, batch = _load_torch(work, family, seq)
@@ -253,6 +257,10 @@ def child_torch(work: Path, family: str, seq: int, key: str, steps: int) -> dict
         model.activation_checkpointing_enable(every_n_layers=int(key.removeprefix("torch_ckpt_k")))
         layers = model.transformer.h if family == "gpt2" else model.model.layers
         info["checkpointed_layers"] = [i for i, layer in enumerate(layers) if layer.gradient_checkpointing]
+    elif key == "torch_ckpt_sac":
+        from selective_checkpointing import enable_selective_checkpointing
+
+        enable_selective_checkpointing(model)
     elif key != "torch":
         raise ValueError(f"not a torch eager configuration: {key}")
     losses: list[float] = []
