@@ -27,7 +27,8 @@ seconds against the training graph's node count over the deeper depths.
 Results go to ``first_step.json`` / ``first_step.md`` / ``first_step.png`` next to this
 script, with the CPU model and the machine's load.  Run: ``python3 benchmarks/first_step.py``
 (about an hour on 2 cores); ``--layers 2 8`` for fewer depths, ``--families llama``,
-``--sides ortpass`` to skip torch.compile, ``--limit S`` a per-process time limit.
+``--sides ortpass`` to skip torch.compile, ``--limit S`` a per-process time limit,
+``--out`` another record, ``--from-json A.json B.json`` one record from several runs.
 """
 
 from __future__ import annotations
@@ -446,8 +447,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--limit", type=float, default=1800, help="seconds a process may run (default 1800)")
     parser.add_argument("--out", default=str(HERE / "first_step"), help="the record's path without suffix")
+    parser.add_argument("--from-json", nargs="+", metavar="JSON",
+                        help="run nothing: write the record from these results (their rows together, the first's conditions)")
     args = parser.parse_args(argv)
-    results = run(args.families, args.layers, args.sides, args.threads, args.limit)
+    if args.from_json:
+        loaded = [json.loads(Path(path).read_text()) for path in args.from_json]
+        results = {**loaded[0], "rows": [row for part in loaded for row in part["rows"]],
+                   "runs": [{k: v for k, v in part.items() if k != "rows"} for part in loaded]}  # fmt: skip
+    else:
+        results = run(args.families, args.layers, args.sides, args.threads, args.limit)
     stem = Path(args.out)
     stem.with_suffix(".json").write_text(json.dumps(results, indent=1))
     text = markdown(results)

@@ -101,6 +101,7 @@ def infer_by_levels(
         by_level.setdefault(at, []).append(node)
     names = _Symbols(model)
     functions = [ir.serde.serialize_function(f) for f in model.functions.values()]
+    position = {node: index for index, node in enumerate(model.graph)}
     for at in sorted(k for k in by_level if k > 0):
         nodes = by_level[at]
         for node in nodes:
@@ -113,7 +114,7 @@ def infer_by_levels(
         for value in values:
             if value in cleared:
                 value.shape = None
-        proto = _sub_model(model, inferred, shapeless, functions)
+        proto = _sub_model(model, inferred, shapeless, functions, position)
         given = _dim_names([*proto.graph.input, *proto.graph.value_info])
         try:
             result = _infer(proto)
@@ -137,13 +138,16 @@ def _keep_uninferred(values: Iterable[ir.Value], original: dict, shapeless: set[
 
 
 def _sub_model(
-    model: ir.Model, nodes: list[ir.Node], shapeless: set[ir.Value], functions: list[onnx.FunctionProto]
+    model: ir.Model,
+    nodes: list[ir.Node],
+    shapeless: set[ir.Value],
+    functions: list[onnx.FunctionProto],
+    position: dict[ir.Node, int],
 ) -> onnx.ModelProto:
     """``nodes`` in a model of their own, after the integer chains feeding them."""
     chosen = set(nodes)
     context = _context(nodes, chosen)
-    order = {n: i for i, n in enumerate(model.graph)}
-    all_nodes = sorted([*context, *nodes], key=order.__getitem__)
+    all_nodes = sorted([*context, *nodes], key=position.__getitem__)
     inside = {v for n in all_nodes for v in n.outputs}
     graph = onnx.GraphProto(name="level")
     seen: set[ir.Value] = set()
