@@ -437,3 +437,45 @@ def test_two_batchnorms_with_equal_statistics_keep_their_own_inputs():
         model[3].running_mean.copy_(torch.randn(4))
         model[3].running_var.copy_(torch.rand(4) + 0.5)
     torch.testing.assert_close(wrapped(x), model(x))
+
+
+class _Counting(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls += 1
+        return self.linear(x)
+
+
+def test_forward_graph_inlines_a_functions_forward_and_runs_at_other_sizes():
+    """The graph of a call without gradient: standard ops (no PythonOp), the Function's
+    forward inlined, eval-mode BatchNorm, the batch dim dynamic."""
+    from ortpass.runtime.session import open_session
+    from ortpass.training.forward_from_torch import build_forward_graph_from_torch
+
+    class Model(_Normed):
+        def forward(self, x):
+            return _Doubled.apply(self.bn(self.linear(x))), x.sum()
+
+    torch.manual_seed(0)
+    module = Model().eval()
+    module.bn.running_mean.fill_(0.5)
+    model = build_forward_graph_from_torch(module, (torch.randn(3, 4),), input_names=["x"], dynamic_axes={"x": [0]})
+    assert all(is_onnx_domain(node.domain) for node in model.graph)
+    assert [v.name for v in model.graph.outputs] == ["output_0", "output_1"]
+    session, _ = open_session(ir.to_proto(model), model, None)
+    for batch in (2, 5):
+        x = torch.randn(batch, 4)
+        got = session.run(["output_0", "output_1"], {"x": x.numpy()})
+        for value, expected in zip(got, module(x)):
+            np.testing.assert_allclose(value, expected.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_forward_graph_refuses_a_forward_that_updates_a_buffer():
+    from ortpass.training.forward_from_torch import build_forward_graph_from_torch
+
+    with pytest.raises(TrainingGraphError, match=r"updates buffers \['calls'\]"):
+        build_forward_graph_from_torch(_Counting(), (torch.randn(3, 4),), input_names=["x"], dynamic_axes={"x": [0]})

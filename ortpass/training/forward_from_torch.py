@@ -21,9 +21,9 @@ import onnx_ir as ir
 import torch
 
 from ortpass.errors import TrainingGraphError
-from ortpass.training.from_torch import _dynamic_shapes, _export, _name_dims, _probe_outputs, _shown
+from ortpass.training.from_torch import _INNER, _dynamic_shapes, _export, _name_dims, _probe_outputs, _shown
 from ortpass.training.joint_decompositions import joint_decompositions
-from ortpass.training.joint_onnx import joint_to_onnx, name_outputs
+from ortpass.training.joint_onnx import _rename_state, joint_to_onnx, name_outputs
 
 __all__ = ["build_forward_graph_from_torch"]
 
@@ -50,17 +50,12 @@ def build_forward_graph_from_torch(
     args, names = tuple(args), list(input_names)
     if len(names) != len(args):
         raise TrainingGraphError(f"{len(names)} input names for {len(args)} inputs")
+    module = _Flat(module)
     # One eager call first, as the training graph's build makes: torch.export undoes what
     # the module records on itself while traced (ORTModule's view records the output's
     # structure), and the eager call leaves it.
     _probe_outputs(module, args)
     program = _export(module, args, _dynamic_shapes(names, args, dynamic_axes or {}))
-    mutated = sorted(program.graph_signature.buffers_to_mutate.values())
-    if mutated:
-        raise TrainingGraphError(
-            f"{_shown(module)}.forward updates buffers {mutated} in place; a graph run without gradient returns "
-            "no new values for them (BatchNorm's statistics in training mode get a training graph)"
-        )
     try:
         with joint_decompositions():  # the table the joint trace applies, so both forwards are alike
             from torch._decomp import core_aten_decompositions
@@ -68,8 +63,29 @@ def build_forward_graph_from_torch(
             program = program.run_decompositions(core_aten_decompositions())
     except Exception as exc:
         raise TrainingGraphError(f"torch could not decompose the forward of {_shown(module)}: {exc}") from exc
+    # Functionalized: an in-place update of a buffer is now an output of its new value.
+    mutated = sorted(b.removeprefix(f"{_INNER}.") for b in program.graph_signature.buffers_to_mutate.values())
+    if mutated:
+        raise TrainingGraphError(
+            f"{_shown(module)}.forward updates buffers {mutated} in place; a graph run without gradient returns "
+            "no new values for them (BatchNorm's statistics in training mode get a training graph)"
+        )
     model = joint_to_onnx(program, names)
+    _rename_state(model.graph, _INNER)
     name_outputs(model.graph, [f"output_{k}" for k in range(len(model.graph.outputs))])
     _name_dims(model, names, args, dynamic_axes or {})
     logger.info("built forward graph from torch: %d nodes", len(model.graph))
     return model
+
+
+class _Flat(torch.nn.Module):
+    """``module`` called with the tensors as separate arguments (what the trace's dynamic
+    shapes describe); its state names get the prefix ``inner.``, dropped in the graph."""
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__()
+        setattr(self, _INNER, module)
+        self.training = module.training
+
+    def forward(self, *tensors: torch.Tensor):
+        return getattr(self, _INNER)(*tensors)
