@@ -179,3 +179,15 @@ def test_layerwise_recompute_with_nothing_to_do_is_info_where_the_user_did_not_a
         ortpass.pipeline("build-training-graph,fix-dropout-seed(level=1),recompute(level=1)")(forward)
     (record,) = [r for r in caplog.records if "recomputes nothing" in r.getMessage()]
     assert record.levelno == logging.INFO
+
+
+@pytest.mark.parametrize("written", [False, True])
+def test_ortmodule_says_recomputes_nothing_at_info_unless_the_user_wrote_the_pipeline(written, caplog):
+    from ortpass.testing.models import MLP
+
+    pipeline = "build-training-graph,fix-dropout-seed(level=1),recompute(level=1)" if written else None
+    wrapped = ORTModule(MLP(d_in=8, hidden=16, classes=5), pipeline=pipeline)
+    with caplog.at_level(logging.INFO, logger="ortpass.passes.recompute"):
+        wrapped(torch.randn(6, 8), torch.tensor([1, 2, 0, 4, 0, 3])).backward()
+    (record,) = [r for r in caplog.records if "recomputes nothing" in r.getMessage()]
+    assert record.levelno == (logging.WARNING if written else logging.INFO)

@@ -174,6 +174,9 @@ class ORTModule(ModelFacade, GraphBuilding, torch.nn.Module):
                 "fused_attention=True exports attention as a PythonOp, which needs ORT's builder and the training "
                 "build; the torch builder differentiates attention as torch decomposes it"
             )
+        # A pipeline the user did not write: its recompute level was not their choice either,
+        # so a graph without transformer layers says "recomputes nothing" at INFO only.
+        self.pipeline_is_default = pipeline is None
         if pipeline is None:
             from ortpass.passes import DEFAULT_PIPELINE
 

@@ -140,6 +140,14 @@ class GraphBuilding:
     """Graph building for :class:`~ortpass.runtime.module.ORTModule` (a mixin: it reads the
     wrapper's options, ``module``, ``pipeline``, ``opset``... and counts ``graph_builds``)."""
 
+    def _pipeline_notices(self):
+        """Where ORTModule chose the pipeline, "recompute(level=1) recomputes nothing" (a
+        graph without transformer layers: a CNN, an MLP) is INFO, not a warning the user
+        cannot act on; a pipeline the user wrote still warns."""
+        from ortpass.passes.recompute import layerwise_notices_at
+
+        return layerwise_notices_at(logging.INFO if getattr(self, "pipeline_is_default", False) else logging.WARNING)
+
     def _kind(self, schema: InputSchema) -> Literal["train", "forward"]:
         """Training graph for differentiated calls, and for calls whose forward updates
         BatchNorm statistics (the training graph keeps them); a forward graph otherwise."""
@@ -260,7 +268,8 @@ class GraphBuilding:
         if kind == "train":
             import ortpass
 
-            result = ortpass.pipeline(self.pipeline)(model)
+            with self._pipeline_notices():
+                result = ortpass.pipeline(self.pipeline)(model)
             model, report = result.model, result.report
             batch_norms = expose_batch_norm_statistics(model, self.module, f"{INNER}.")
         stripped = _strip_state_values(model, state)
@@ -310,7 +319,8 @@ class GraphBuilding:
         post_grad = passes_of_phase(self.pipeline, "post-grad") if kind == "train" else None
         report = None
         if post_grad:
-            result = ortpass.pipeline(post_grad, assume=["training-graph"])(model)
+            with self._pipeline_notices():
+                result = ortpass.pipeline(post_grad, assume=["training-graph"])(model)
             model, report = result.model, result.report
         _state_to_inputs(model, state)
         stripped = _strip_state_values(model, state)
