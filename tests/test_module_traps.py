@@ -191,3 +191,16 @@ def test_ortmodule_says_recomputes_nothing_at_info_unless_the_user_wrote_the_pip
         wrapped(torch.randn(6, 8), torch.tensor([1, 2, 0, 4, 0, 3])).backward()
     (record,) = [r for r in caplog.records if "recomputes nothing" in r.getMessage()]
     assert record.levelno == (logging.WARNING if written else logging.INFO)
+
+
+def test_a_hugging_face_export_does_not_repeat_torchs_constant_folding_notes(recwarn):
+    """torch's shape inference said a dozen times per LLaMA export that it does not fold a
+    Slice with steps (ortpass exports without constant folding): not said at all now."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, use_cache=False)  # fmt: skip
+    wrapped = ORTModule(transformers.LlamaForCausalLM(config))
+    ids = torch.randint(0, 64, (2, 10))
+    wrapped(input_ids=ids, labels=ids).loss.backward()
+    assert wrapped.graph_builds == 1
+    assert not [w for w in recwarn if "Constant folding" in str(w.message)]

@@ -178,6 +178,9 @@ def _run_torchscript_export(
             # supports PythonOp and training-mode Dropout, so silence the notice.
             warnings.simplefilter("ignore", category=DeprecationWarning)
             warnings.simplefilter("ignore", category=FutureWarning)
+            # torch's shape inference notes, a dozen times per Hugging Face export, that it does not
+            # fold a Slice with steps; ortpass exports without constant folding: not actionable.
+            warnings.filterwarnings("ignore", message=r"Constant folding - Only steps=1", category=UserWarning)
             _quiet_batch_norm_counters(module)
             conversions = hooks.enter_context(watching_conversions())
             torch.onnx.export(
