@@ -245,6 +245,7 @@ def child(side: str, family: str, layers: int, threads: int, cache_dir: str) -> 
         phases.seconds.pop("pipeline", None)
         for wall, report in reports:
             _pipeline_phases(phases, wall, report)
+            out["pass_seconds"] = {r.name: round(r.seconds, 3) for r in report.records}
             out["forward_nodes"] = report.records[0].nodes_before
             out["training_nodes"] = report.records[-1].nodes_after
     phases.add("step and rest", total - sum(phases.seconds.values()))
@@ -375,7 +376,9 @@ def markdown(results: dict) -> str:
         f"{results['date']}, load average before each process in the rows (`load`), {results['load_at_end']} at the end. "
         "Peak: host RSS above the RSS before the call; workers: torch.compile's compile workers' RSS. "
         "`cache`: a second process loading the graph the first stored in `cache_dir`.",
+        "",
     ]
+    lines += [f"- {note}" for note in results.get("notes", ())]
     for family in sorted({r["family"] for r in results["rows"]}):
         ort, cache, comp = (_rows(results, family, s) for s in SIDES)
         lines += ["", f"## {family}", "",
