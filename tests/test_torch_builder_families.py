@@ -82,7 +82,7 @@ def test_loss_computed_in_torch_from_the_logits(name):
 
 
 def _close_to_torch(got: torch.Tensor, expected: torch.Tensor) -> None:
-    scale = expected.abs().max().item() + 1e-6
+    scale = max(expected.abs().max().item(), 1.0)  # relative to the largest logit, absolute below 1
     assert (got - expected).abs().max().item() <= 1e-4 * scale, (got - expected).abs().max().item()
 
 
@@ -121,7 +121,7 @@ def test_evaluation_after_steps_and_an_ema_copy_compute_like_torch(name):
     reference = copy.deepcopy(model)
     wrapped = ORTModule(model, builder="torch")
     ema, reference_ema = copy.deepcopy(wrapped).requires_grad_(False), copy.deepcopy(reference).requires_grad_(False)
-    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (wrapped, reference)]
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-6) for m in (wrapped, reference)]  # as train_side_by_side
     for batch in batches[:2]:
         for m, optimizer in zip((wrapped, reference), optimizers):
             loss_from_labels(m, batch).backward()
