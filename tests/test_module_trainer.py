@@ -276,3 +276,18 @@ def test_peft_around_the_wrapper_trains_its_adapters_like_torch():
             optimizer.step()
             optimizer.zero_grad()
     _assert_same_weights(wrapped, reference)
+
+
+def test_a_config_that_returns_the_key_value_cache_is_refused_with_the_setting_to_change():
+    from ortpass.errors import OrtpassError
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # use_cache=True, its default
+    wrapped = ORTModule(transformers.GPT2LMHeadModel(config))
+    ids = torch.randint(0, VOCAB, (2, SEQ))
+    with pytest.raises(OrtpassError, match=r"model\.config\.use_cache = False"):
+        wrapped(input_ids=ids, labels=ids)
+    wrapped.config.use_cache = False  # the wrapper's config is the model's
+    assert wrapped(input_ids=ids, labels=ids).loss.item() == pytest.approx(
+        wrapped.module(input_ids=ids, labels=ids).loss.item(), rel=1e-5)  # fmt: skip

@@ -68,7 +68,7 @@ class FlatCall(torch.nn.Module):
             elif not isinstance(leaf, torch.Tensor):
                 raise OrtpassError(
                     f"{type(module).__name__}.forward returned {name} = {type(leaf).__name__}: ORTModule returns "
-                    "tensors only (pass use_cache=False to transformers models in training)"
+                    "tensors only" + (_CACHE_WAY_OUT if "Cache" in type(leaf).__name__ else "")
                 )
             elif self._find_loss and loss is None and _is_loss(path, leaf):
                 loss = leaf
@@ -80,6 +80,14 @@ class FlatCall(torch.nn.Module):
         flat = (loss, *tensors) if loss is not None else tuple(tensors)
         self.requires_grad = [t.requires_grad for t in flat]
         return flat
+
+
+#: A transformers model whose config has use_cache=True (the default of most decoders)
+#: returns its key/value cache in training and in evaluation alike.
+_CACHE_WAY_OUT = (
+    "; this is transformers' key/value cache (the config's use_cache=True): set model.config.use_cache = False "
+    "before training or evaluating with ORTModule (generate() runs the model in torch and keeps its cache)"
+)
 
 
 def _is_loss(path: tuple, leaf: torch.Tensor) -> bool:
