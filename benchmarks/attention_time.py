@@ -5,7 +5,7 @@ The torch builder writes attention as ONNX math (``MatMul``, ``Mul``, the mask's
 ``Softmax``, ``MatMul``): stock onnxruntime has no gradient kernel for a fused attention, so
 the backward needs the probabilities as a tensor anyway.  torch's eager step uses SDPA's
 fused (flash) kernel for the forward, its recomputation and the backward.  This measures
-how much of LLaMA's step-time gap (``benchmarks/hf_memory.md``: ``ORTModule`` on stock
+how much of LLaMA's step-time gap (``benchmarks/results/hf_memory.md``: ``ORTModule`` on stock
 against torch with checkpointing) that kernel is:
 
 1. One causal attention forward at ``hf_memory.py``'s LLaMA shapes (batch 8, 4 heads, seq
@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"  # the recorded results, apart from the scripts
 sys.path.insert(0, str(HERE))
 import hf_memory  # noqa: E402  (the model the step-time rows use)
 import recompute_memory as rm  # noqa: E402  (record())
@@ -196,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
     load_before = os.getloadavg()[0]
     results = {"kernels": kernels(), "checkpointed_steps": checkpointed_steps(args.rounds)}
     results["load"] = [load_before, os.getloadavg()[0]]
-    rm.record(HERE / "attention_time", results, markdown(results))
+    rm.record(RESULTS / "attention_time", results, markdown(results))
 
 
 if __name__ == "__main__":

@@ -69,6 +69,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"  # the recorded results, apart from the scripts
 sys.path.insert(0, str(HERE))
 import hf_memory as hm  # the models, as hf_memory builds and exports them
 import recompute_memory as rm  # the measuring helpers
@@ -672,7 +673,7 @@ def main(argv: list[str] | None = None) -> None:
     stem = "budget" if args.seq == 512 else f"budget_seq{args.seq}"
     if args.models != ["gpt2", "llama"]:  # a subset keeps the full run's record
         stem += "_" + "_".join(args.models)
-    out = args.out or HERE
+    out = args.out or RESULTS
     out.mkdir(parents=True, exist_ok=True)
     rm.record(out / stem, results, text)
     plot(results, (out / stem).with_suffix(".png"))

@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"  # the recorded results, apart from the scripts
 sys.path.insert(0, str(HERE))
 import recompute_memory as rm  # noqa: E402  (the sibling benchmark's measuring helpers)
 
@@ -327,7 +328,7 @@ def main(argv: list[str] | None = None) -> None:
         stem += f"_layers{LAYERS}"
     if BUDGET is not None:
         stem += "_budget"
-    rm.record(HERE / stem, results, markdown(results))
+    rm.record(RESULTS / stem, results, markdown(results))
 
 
 if __name__ == "__main__":

@@ -45,6 +45,9 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"  # the recorded results, apart from the scripts
+sys.path.insert(0, str(HERE))
+import recompute_memory as rm  # noqa: E402  (the sibling benchmark's helpers; standard library only at import)
 LAYERS = (2, 8, 16, 32, 40, 64, 80)
 FAMILIES = ("llama", "gpt2")
 SIDES = ("ortpass", "cache", "compile")
@@ -308,22 +311,11 @@ def run(families, layer_counts, sides, threads: int = 1, limit: float = 1800) ->
                   "batch": BATCH, "seq": SEQ},
         "threads": threads,
         "cpus": os.cpu_count(),
-        "cpu_model": cpu_model(),
+        "cpu_model": rm.cpu_model(),
         "load_at_end": [round(x, 2) for x in os.getloadavg()],
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "rows": rows,
     }  # fmt: skip
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 def _row_line(row: dict) -> str:
@@ -449,7 +441,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sides", nargs="+", default=list(SIDES), choices=SIDES)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--limit", type=float, default=1800, help="seconds a process may run (default 1800)")
-    parser.add_argument("--out", default=str(HERE / "first_step"), help="the record's path without suffix")
+    parser.add_argument("--out", default=str(RESULTS / "first_step"), help="the record's path without suffix")
     parser.add_argument("--from-json", nargs="+", metavar="JSON",
                         help="run nothing: write the record from these results (their rows together, the first's conditions)")
     args = parser.parse_args(argv)

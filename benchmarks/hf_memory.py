@@ -56,6 +56,7 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"  # the recorded results, apart from the scripts
 sys.path.insert(0, str(HERE))
 import recompute_memory as rm  # noqa: E402  (the sibling benchmark's measuring helpers)
 
@@ -414,7 +415,7 @@ def main(argv: list[str] | None = None) -> None:
     stem = "hf_memory" if args.seq == 512 else f"hf_memory_seq{args.seq}"
     if args.models != ["gpt2", "llama"]:  # a subset keeps the full run's record
         stem += "_" + "_".join(args.models)
-    rm.record(HERE / stem, results, markdown(results))
+    rm.record(RESULTS / stem, results, markdown(results))
 
 
 if __name__ == "__main__":

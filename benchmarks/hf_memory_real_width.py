@@ -70,6 +70,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"  # the recorded results, apart from the scripts
 sys.path.insert(0, str(HERE))
 import recompute_memory as rm  # the sibling benchmark's measuring helpers, found through sys.path
 
@@ -635,7 +636,7 @@ def main(argv: list[str] | None = None) -> None:
         stem += "_stock"
     if args.models != ["gpt2", "llama"]:
         stem += "_" + "_".join(args.models)
-    rm.record(HERE / stem, results, markdown(results))
+    rm.record(RESULTS / stem, results, markdown(results))
 
 
 if __name__ == "__main__":

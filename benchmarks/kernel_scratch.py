@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"  # the recorded results, apart from the scripts
 sys.path.insert(0, str(HERE))
 import recompute_memory as rm  # noqa: E402  (the sibling benchmark's measuring helpers)
 
@@ -160,8 +161,8 @@ def main(argv: list[str] | None = None) -> None:
               f"{r['scratch_ratio']:.2f} x {r['against']} |" for r in rows]
     if os.environ.get("ORTPASS_BENCH_TINY") != "1":
         stem = f"kernel_scratch_{ort_version}"
-        (HERE / f"{stem}.json").write_text(json.dumps(results, indent=1))
-        (HERE / f"{stem}.md").write_text("\n".join(lines) + "\n")
+        (RESULTS / f"{stem}.json").write_text(json.dumps(results, indent=1))
+        (RESULTS / f"{stem}.md").write_text("\n".join(lines) + "\n")
 
 
 def _installed(distribution: str) -> bool:

@@ -33,6 +33,7 @@ from ortpass.testing.models import GPTDecoder
 from ortpass.training import build_training_graph
 
 HERE = pathlib.Path(__file__).resolve().parent
+RESULTS = HERE / "results"  # the recorded results, apart from the scripts
 CONFIGS = {
     "small": dict(model=dict(vocab=64, hidden=32, heads=4, layers=2), batch=2, seq=16),
     "large": dict(model=dict(vocab=1024, hidden=256, heads=8, layers=4, max_seq=128), batch=8, seq=128),
@@ -123,9 +124,9 @@ def main() -> None:
     args = parser.parse_args()
     names = ["small"] if args.small_only else list(CONFIGS)
     results = [run_one(name, args.steps) for name in names]
-    (HERE / "onnxscript_optimize.json").write_text(json.dumps(results, indent=2) + "\n")
+    (RESULTS / "onnxscript_optimize.json").write_text(json.dumps(results, indent=2) + "\n")
     markdown = to_markdown(results, args.steps)
-    (HERE / "onnxscript_optimize.md").write_text(markdown)
+    (RESULTS / "onnxscript_optimize.md").write_text(markdown)
     print(markdown)
 
 

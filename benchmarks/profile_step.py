@@ -25,6 +25,7 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"  # the recorded results, apart from the scripts
 sys.path.insert(0, str(HERE))
 import hf_memory  # noqa: E402  (the graphs and their batch)
 
@@ -127,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=2)
     args = parser.parse_args(argv)
     results = run(args.models, args.seq, args.steps)
-    hf_memory.rm.record(HERE / "profile_step", results, markdown(results))
+    hf_memory.rm.record(RESULTS / "profile_step", results, markdown(results))
 
 
 if __name__ == "__main__":

@@ -64,6 +64,7 @@ from pathlib import Path
 from typing import Callable
 
 HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"  # the recorded results, apart from the scripts
 VOCAB, HIDDEN, HEADS, SEQ, BATCH, DROPOUT = 2048, 256, 4, 512, 8, 0.1
 MIN_ELEMENTS = None  # the recompute passes' default floor (ORT's 1Mi elements)
 if os.environ.get("ORTPASS_BENCH_TINY") == "1":  # the test suite's smoke run: seconds, not minutes
@@ -599,7 +600,7 @@ def main(argv: list[str] | None = None) -> None:
     results = run(args.layers, args.steps, args.only)
     if args.only:
         return
-    record(HERE / "recompute_memory", results, markdown(results))
+    record(RESULTS / "recompute_memory", results, markdown(results))
 
 
 def record(stem: Path, results: dict, text: str) -> None:

@@ -39,6 +39,7 @@ from ortpass.testing.models import GPTDecoder
 from ortpass.training import build_training_graph
 
 HERE = pathlib.Path(__file__).resolve().parent
+RESULTS = HERE / "results"  # the recorded results, apart from the scripts
 
 
 def forward_model_for_ort(training: ir.Model) -> onnx.ModelProto:
@@ -285,8 +286,8 @@ def main() -> None:
                   f"ORT {row['ort_symbolic']}  |  ortpass {row['ortpass_symbolic']}")
         for p in result["only_ortpass"]:
             print(f"  only ortpass: {p['plan']:<35} x{p['frequency']}  {p['symbolic']}")
-    (HERE / "recompute_vs_ort_analysis.json").write_text(json.dumps(results, indent=1))
-    (HERE / "recompute_vs_ort_analysis.md").write_text(to_markdown(results))
+    (RESULTS / "recompute_vs_ort_analysis.json").write_text(json.dumps(results, indent=1))
+    (RESULTS / "recompute_vs_ort_analysis.md").write_text(to_markdown(results))
 
 
 if __name__ == "__main__":

@@ -67,6 +67,7 @@ import time
 from typing import Iterator
 
 HERE = pathlib.Path(__file__).resolve().parent
+RESULTS = HERE / "results"  # the recorded results, apart from the scripts
 
 # Up to the training graph: what ORT's own optimizer is given.
 TRAINING_PIPELINE = "pythonop-shape-inference,insert-gather-before-sce-loss,build-training-graph"
@@ -443,8 +444,8 @@ def main() -> None:
     markdown = to_markdown(results, summary)
     print(markdown)
     suffix = "_quick" if args.quick else ""
-    (HERE / f"scaling{suffix}.json").write_text(json.dumps({"results": results, "summary": summary}, indent=1))
-    (HERE / f"scaling{suffix}.md").write_text(markdown)
+    (RESULTS / f"scaling{suffix}.json").write_text(json.dumps({"results": results, "summary": summary}, indent=1))
+    (RESULTS / f"scaling{suffix}.md").write_text(markdown)
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ from ortpass.training import build_training_graph, clamp_for_ort
 logger = logging.getLogger("benchmarks.sce_gather")
 
 HERE = pathlib.Path(__file__).resolve().parent
+RESULTS = HERE / "results"  # the recorded results, apart from the scripts
 IGNORE_INDEX = -100
 DENSITIES = (10, 50, 90, 100)
 VARIANTS = ("without", "before loss", "above projection")
@@ -216,7 +217,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--steps", type=int, default=1, help="timed steps per configuration")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per density (after the session's own)")
-    parser.add_argument("--out", type=pathlib.Path, default=HERE, help="directory for the result files")
+    parser.add_argument("--out", type=pathlib.Path, default=RESULTS, help="directory for the result files")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("ortpass").setLevel(logging.WARNING)

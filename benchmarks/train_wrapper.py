@@ -49,6 +49,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"  # the recorded results, apart from the scripts
 sys.path.insert(0, str(HERE))
 from recompute_memory import _measure  # noqa: E402  (the standard library only at import)
 
@@ -261,8 +262,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--only", nargs="*", help="configuration keys to run (default: all)")
     args = parser.parse_args(argv)
     results = run(args.steps, args.only)
-    (HERE / "train_wrapper.json").write_text(json.dumps(results, indent=2) + "\n")
-    (HERE / "train_wrapper.md").write_text(markdown(results))
+    (RESULTS / "train_wrapper.json").write_text(json.dumps(results, indent=2) + "\n")
+    (RESULTS / "train_wrapper.md").write_text(markdown(results))
     print(markdown(results))
 
 

@@ -2,7 +2,7 @@
 
 By default a slice holds :data:`DEFAULT_CHUNK_BYTES` of logits at the graph's row count,
 a multiple of 256 columns (symbolic rows counted at the export's dims; 8192 columns when
-there are none): at most a few percent of step time (``benchmarks/hf_memory_real_width.md``).
+there are none): at most a few percent of step time (``benchmarks/results/hf_memory_real_width.md``).
 
 For a budget: the default width is kept where recompute can bring the step's peak under the budget
 (the budget planner's lowest peak on the graph chunked at that width); else it is halved

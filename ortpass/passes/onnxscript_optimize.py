@@ -30,7 +30,7 @@ but two calls of one Function on the same inputs are merged like any pure op.
 What it buys: ORT's pre-gradient transformers, which ``build-training-graph`` runs by
 default (``ort_fusions=True``), fold the same shape arithmetic, so on ``GPTDecoder`` the
 training graph and the step come out the same with or without this pass (232 nodes either
-way; 322 -> 280 with ``ort_fusions=False``; benchmarks/onnxscript_optimize.md).  About
+way; 322 -> 280 with ``ort_fusions=False``; benchmarks/results/onnxscript_optimize.md).  About
 60% of the nodes it removes from the export are Constants lifted into initializers.
 
 Without this pass, :func:`ortpass.training.build_training_graph` refuses a model whose

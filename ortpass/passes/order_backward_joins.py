@@ -27,7 +27,7 @@ it meets exists.  The gradient's chain can hold a lot still to run: with a LoRA 
 base frozen, the first gradient leaf ORT walks (an adapter's ``B``, reading the
 recomputed ``x A`` and the incoming gradient) recomputed the whole last layer before the
 loss was even computed, and the step peaked at 260 MiB against 239 with every weight
-trainable; with the gradient first, 208 (``benchmarks/train_wrapper.md``).  For the same
+trainable; with the gradient first, 208 (``benchmarks/results/train_wrapper.md``).  For the same
 reason a chain that frees the most is not moved ahead of a gradient.
 """
 
