@@ -21,7 +21,7 @@ and saved prefixed weights without a config.  So the wrapper answers as the mode
 - **Signature**: ``inspect.signature(wrapper.forward)`` is the model's forward's.
 - **State**: ``state_dict()`` keys are the model's own, also where the wrapper sits inside
   a bigger module; ``load_state_dict`` takes them, and the ``module.``-prefixed keys of
-  checkpoints saved before ortpass 0.2.
+  checkpoints saved by earlier ortpass.
 """
 
 from __future__ import annotations
