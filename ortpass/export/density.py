@@ -37,8 +37,11 @@ __all__ = [
     "DensityProbe",
     "DensityRecord",
     "FlagAndPrintDensity",
+    "cross_entropy_replaced",
     "density_probe",
     "label_density",
+    "measure_labels",
+    "track_loss_modules",
 ]
 
 logger = logging.getLogger(__name__)
@@ -155,26 +158,43 @@ def density_probe(module: torch.nn.Module, threshold: float = DEFAULT_THRESHOLD)
         raise ValueError(f"density threshold is a percentage in [0, 100], got {threshold}")
     probe = DensityProbe(threshold=threshold)
     sites: list[str] = []  # names of the CrossEntropyLoss modules currently running
-    if not _patch_lock.acquire(blocking=False):
-        raise ExportError("density_probe is already active (in this or another thread); probes do not nest")
-    try:
-        original = getattr(_PATCH_OWNER, _PATCH_NAME)
-        handles = _track_loss_modules(module, sites)
-        setattr(_PATCH_OWNER, _PATCH_NAME, _probing(original, probe, sites))
+    with cross_entropy_replaced(lambda original: _probing(original, probe, sites), "density_probe"):
+        handles = track_loss_modules(module, sites)
         try:
             yield probe
         finally:
-            setattr(_PATCH_OWNER, _PATCH_NAME, original)
             for handle in handles:
                 handle.remove()
-    finally:
-        _patch_lock.release()
     if probe.records:
         logger.info("label density probe (threshold %.1f%%):\n%s", threshold, probe.summary())
 
 
-def _track_loss_modules(module: torch.nn.Module, sites: list[str]) -> list:
-    """Hooks keeping ``sites`` equal to the stack of running CrossEntropyLoss submodules."""
+@contextlib.contextmanager
+def cross_entropy_replaced(make: Callable[[Callable], Callable], who: str) -> Iterator[None]:
+    """Replace torch's cross-entropy builtin by ``make(original)`` for the block.
+
+    Every cross-entropy in torch ends in that one builtin (the module, ``F.cross_entropy``
+    and names imported from it), so the replacement sees them all.  It is process-wide:
+    one replacement at a time (the density probe of ORT's path and the torch builder's
+    label gather, :mod:`ortpass.training.label_gather`, share it); ``who`` names the
+    caller in the refusal of a second one.
+    """
+    if not _patch_lock.acquire(blocking=False):
+        raise ExportError(f"{who}: the cross-entropy probe is already active (in this or another thread); probes do not nest")
+    try:
+        original = getattr(_PATCH_OWNER, _PATCH_NAME)
+        setattr(_PATCH_OWNER, _PATCH_NAME, make(original))
+        try:
+            yield
+        finally:
+            setattr(_PATCH_OWNER, _PATCH_NAME, original)
+    finally:
+        _patch_lock.release()
+
+
+def track_loss_modules(module: torch.nn.Module, sites: list[str]) -> list:
+    """Hooks keeping ``sites`` equal to the stack of running ``nn.CrossEntropyLoss``
+    submodules of ``module`` (by name); the caller removes them when done."""
     def leave(_module, _args, _output) -> None:  # a hook returning a value would replace the output
         sites.pop()
 
@@ -194,7 +214,7 @@ def _track_loss_modules(module: torch.nn.Module, sites: list[str]) -> list:
 def _probing(original: Callable, probe: DensityProbe, sites: list[str]) -> Callable:
     def cross_entropy_loss(input, target, weight=None, reduction=1, ignore_index=-100, label_smoothing=0.0):
         site = sites[-1] if sites else FUNCTIONAL_SITE
-        record = _measure(target, int(ignore_index), probe.threshold, site)
+        record = measure_labels(target, int(ignore_index), probe.threshold, site)
         probe.records.append(record)
         if record.flagged:
             target = FlagAndPrintDensity.apply(target, int(ignore_index), float(record.density))
@@ -203,7 +223,8 @@ def _probing(original: Callable, probe: DensityProbe, sites: list[str]) -> Calla
     return cross_entropy_loss
 
 
-def _measure(target: torch.Tensor, ignore_index: int, threshold: float, site: str) -> DensityRecord:
+def measure_labels(target: torch.Tensor, ignore_index: int, threshold: float, site: str) -> DensityRecord:
+    """The density of one cross-entropy call's ``target``, and whether it is under ``threshold``."""
     def unmeasured(reason: str) -> DensityRecord:
         return DensityRecord(site, ignore_index, None, None, None, False, reason)
 
