@@ -49,6 +49,7 @@ from ortpass.infra.metadata import update_export_info
 from ortpass.training.autograd_functions import FunctionCalls, functions_taken_into_the_graph, routing
 from ortpass.training.joint_decompositions import joint_decompositions
 from ortpass.training.joint_onnx import joint_to_onnx, record_training_graph, without_terminal_codes
+from ortpass.training.label_gather import DEFAULT_THRESHOLD, LabelGather
 
 __all__ = ["buffer_updates", "build_training_graph_from_torch"]
 
@@ -66,6 +67,7 @@ def build_training_graph_from_torch(
     dynamic_axes: Mapping[str, Mapping[int, str] | Sequence[int]] | None = None,
     loss: int | None | str | Callable[[list[torch.Tensor]], int | None] = "auto",
     outputs_with_grad: Sequence[int] | None = None,
+    density_threshold: float | None = DEFAULT_THRESHOLD,
 ) -> ir.Model:
     """Trace ``module`` at ``args`` and return its training graph in standard ONNX ops.
 
@@ -89,6 +91,9 @@ def build_training_graph_from_torch(
             outputs (of one eager forward) that returns one of those.
         outputs_with_grad: the flat outputs whose gradients the caller feeds (default:
             every output that requires grad); used when there is no loss.
+        density_threshold: a cross-entropy whose labels at ``args`` are valid under this
+            percent is traced over its valid rows (:mod:`ortpass.training.label_gather`);
+            None: never.
 
     Raises:
         TrainingGraphError: a torch.autograd.Function torch cannot trace (named), nothing
@@ -100,13 +105,14 @@ def build_training_graph_from_torch(
         raise TrainingGraphError(f"{len(names)} input names for {len(args)} inputs")
     dynamic = _dynamic_shapes(names, args, dynamic_axes or {})
     _refuse_cumulative_batch_norms(module)
-    probe = _probe_outputs(module, args)
+    gather = LabelGather(module, density_threshold)  # measures in the probe, gathers in the trace
+    probe = gather.measured(_probe_outputs, module, args)
     loss_index, with_grad = _differentiated(probe, loss, outputs_with_grad)
     out_names = _output_names(output_names, len(probe), loss_index)
     seeds = [torch.ones_like(probe[loss_index])] if loss_index is not None else [torch.ones_like(probe[k]) for k in with_grad]
     joint = _Joint(module, len(args), loss_index, with_grad)
     seed_dynamic = tuple({a: torch.export.Dim.AUTO for a in range(s.dim())} or None for s in seeds)
-    program = _joint_program(joint, (*args, *seeds), (*dynamic, *seed_dynamic))
+    program = gather.traced(_joint_program, joint, (*args, *seeds), (*dynamic, *seed_dynamic))
     backward = program.graph_signature.backward_signature  # read before joint_to_onnx changes the kinds
     mutated = dict(program.graph_signature.buffers_to_mutate)  # output arg -> buffer, likewise
     output_args = [spec.arg.name for spec in program.graph_signature.output_specs]
@@ -120,6 +126,7 @@ def build_training_graph_from_torch(
         model, backward, output_args, inputs_by_arg, out_names, seed_names, loss_index, with_grad, _INNER, mutated
     )
     _name_dims(model, names, args, dynamic_axes or {})
+    gather.record(model)
     logger.info(
         "built training graph from torch: %d nodes, %d gradients", len(model.graph), len(info.gradients)
     )
