@@ -223,10 +223,12 @@ def bind_internal_dims(model: ir.Model, dims: Mapping[str, int], wanted: Iterabl
     import onnx
     import onnx.shape_inference
 
+    from ortpass.analysis.weightless import proto_without_weights
+
     wanted = set(wanted) - set(dims)
     if not wanted:
         return {}
-    proto = ir.to_proto(model)
+    proto = proto_without_weights(model)  # the weights' bytes, copied four times, shape nothing
     for value_info in proto.graph.input:
         for dim in value_info.type.tensor_type.shape.dim:
             if dim.HasField("dim_param") and dim.dim_param in dims:

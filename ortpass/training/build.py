@@ -28,18 +28,13 @@ import onnx.numpy_helper
 import onnx_ir as ir
 
 from ortpass.analysis.partition import TrainingInfo, set_training_info, tag
-from ortpass.conventions import (
-    MAX_ORT_IR_VERSION,
-    MAX_ORT_OPSET,
-    MS_DOMAIN,
-    SIDE_KEY,
-    is_onnx_domain,
-)
+from ortpass.conventions import MAX_ORT_IR_VERSION, MAX_ORT_OPSET, MS_DOMAIN, SIDE_KEY, is_onnx_domain
 from ortpass.errors import TrainingGraphError
 from ortpass.graph.schemas import register_ort_schemas
 from ortpass.infra.metadata import get_export_info
 from ortpass.infra.validate import check_for_gradient_build
 from ortpass.training.backend import require_training_build
+from ortpass.training.detached_weights import detach, reattach, without_detached
 from ortpass.training.forward_checks import (
     check_forward_model,
     check_recorded_params,
@@ -124,6 +119,8 @@ def build_training_graph(
         proto, inputs_with_grad if inputs_with_grad is not None else export_info.get("inputs_with_grad", []), params
     )
     check_forward_model(proto, loss)
+    # The weights that are graph inputs (ORTModule's) travel as placeholders to the end.
+    detached = detach(proto, model, params)
     if any(node.op_type == "PythonOp" for node in proto.graph.node):
         from ortpass.pythonop import (
             bridge,  # only models with PythonOps need torch here
@@ -136,7 +133,7 @@ def build_training_graph(
     _remove_inference_dropouts(proto)
     # Shapes first: ORT keeps the shapes it is given through its fusions, but its symbolic
     # inference has no rule for the ConcatTraining those fusions emit.
-    proto = infer_forward_shapes(proto)
+    proto = without_detached(infer_forward_shapes, proto, detached)
     check_static_dims(proto)
     decompose_inference_batch_norms(proto)
     if ort_fusions:
@@ -151,13 +148,15 @@ def build_training_graph(
     reduce_broadcast_gradients(training_proto, forward_names)
     mask_padding_rows(training_proto, model)
     clamp_for_ort(training_proto)
-    training_proto = infer_shapes(training_proto)
+    training_proto = without_detached(infer_shapes, training_proto, detached)
     shape_concat_training_lengths(training_proto)
     gradients = check_gradient_outputs(training_proto, params)
     input_gradients = check_gradient_outputs(training_proto, inputs_with_grad)
     check_gradient_shapes(training_proto, gradients)
     _order_outputs(training_proto, [*([loss] if loss else outputs_with_grad), *gradients.values(), *input_gradients.values()])
     training = ir.from_proto(training_proto)
+    del training_proto
+    reattach(training, model, detached)
     _tag_sides(training, forward_names)
     training.metadata_props.update(model.metadata_props)
     set_training_info(training, TrainingInfo(loss, tuple(params), gradients, seeds, input_gradients))
