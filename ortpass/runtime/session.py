@@ -37,7 +37,7 @@ from ortpass.conventions import BUILDER_KEY, REPLAY_OF_KEY, SIDE_KEY, is_onnx_do
 from ortpass.errors import OrtpassError
 from ortpass.io import load
 from ortpass.runtime.row_adds import numpy_tensor, ortvalue_tensor, rows_added_after
-from ortpass.runtime.step_errors import step_error, take_runner_error
+from ortpass.runtime.step_errors import raise_kept_runner_error, step_error, take_runner_error
 from ortpass.training.build import clamp_for_ort
 from ortpass.training.split import masks_read_where_redraws_differ
 
@@ -170,6 +170,7 @@ class TrainingSession:
             values = self._session.run(self._rows.fetch(self._fetch), feeds)
         except Exception as exc:
             raise step_error(exc) from exc
+        raise_kept_runner_error()  # a Python op's kernel keeps its error (onnxruntime-extensions would abort)
         values = self._rows.finish(self._fetch, values, numpy_tensor)
         n_grads = len(self.info.gradients)
         gradients = dict(zip(self.info.gradients, values[1 : 1 + n_grads]))
@@ -219,7 +220,12 @@ def open_session(
         from ortpass.pythonop import bridge
 
         bridge.prepare(model)
-    options = session_options if session_options is not None else training_options(ort, runs_torch=runs_torch)
+    python_ops = any(n.domain.startswith("ortpass.python_op.") for n in proto.graph.node)  # opaque Functions (torch builder)
+    options = session_options if session_options is not None else training_options(ort, runs_torch=runs_torch or python_ops)
+    if python_ops:
+        from ortpass.training import python_op_kernels
+
+        python_op_kernels.prepare(proto, options)
     if threads is not None:
         options.intra_op_num_threads = threads
     if optimized_model_path is not None:
@@ -239,9 +245,11 @@ def run_with_ort_values(session: Any, feeds: Mapping[str, Any], fetch: Sequence[
     PythonOp's torch error, which ORT reports only as a generic one)."""
     take_runner_error()
     try:
-        return list(session._sess.run_with_ort_values(dict(feeds), list(fetch), None))
+        values = list(session._sess.run_with_ort_values(dict(feeds), list(fetch), None))
     except Exception as exc:
         raise step_error(exc) from exc
+    raise_kept_runner_error()  # a Python op's kernel keeps its error (onnxruntime-extensions would abort)
+    return values
 
 
 def _check_gradient_shapes(gradients: Mapping[str, np.ndarray], params: Mapping[str, np.ndarray]) -> None:

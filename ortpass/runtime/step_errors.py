@@ -9,14 +9,17 @@ import sys
 from ortpass.conventions import INDEX_CHECK_PREFIX
 from ortpass.errors import IndexRangeError, OrtpassError
 
-__all__ = ["ort_error", "step_error", "take_runner_error"]
+__all__ = ["ort_error", "raise_kept_runner_error", "step_error", "take_runner_error"]
 
 
 def take_runner_error() -> BaseException | None:
     """The error a PythonOp's torch code raised in the last step, if any (then forgotten)."""
-    # Only models with PythonOps load the bridge; don't import torch for the others.
+    # Only models with PythonOps load the bridge (or, on stock, the Python op kernels); don't import torch for the others.
     bridge = sys.modules.get("ortpass.pythonop.bridge")
-    return bridge.last_runner_error(clear=True) if bridge is not None else None
+    kernels = sys.modules.get("ortpass.training.python_op_kernels")
+    error = bridge.last_runner_error(clear=True) if bridge is not None else None
+    python_op_error = kernels.take_failure() if kernels is not None else None
+    return error or python_op_error
 
 
 def step_error(exc: BaseException) -> OrtpassError:
@@ -38,3 +41,11 @@ def ort_error(exc: BaseException) -> str:
     if runner_error is not None:
         return f"a PythonOp's torch code raised {type(runner_error).__name__}: {runner_error}"
     return f"{type(exc).__name__}: {exc}"
+
+
+def raise_kept_runner_error() -> None:
+    """Raise the error a Python op kept during a run that ORT finished (its kernels never
+    raise: onnxruntime-extensions aborts the process on a Python exception)."""
+    failed = take_runner_error()
+    if failed is not None:
+        raise OrtpassError(f"the training step failed on ONNX Runtime: {failed}") from failed

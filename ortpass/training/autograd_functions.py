@@ -14,8 +14,11 @@ backward, each as the torch code it is.  The op leaves no node of its own in the
 graph.
 
 A Function whose forward or backward torch cannot trace (a custom kernel, numpy, a branch
-on a tensor's value) fails the build with :class:`~ortpass.errors.TrainingGraphError`
-naming the Function and the side; ORT's builder runs such a Function as a PythonOp.
+on a tensor's value) is built again as opaque (:func:`retrying_untraceable`): its calls
+become Python ops that run it in eager torch (:mod:`ortpass.training.python_ops`), which
+stock onnxruntime runs through ``onnxruntime-extensions``.  Without that package, or for a
+Function a Python op cannot carry either, the build fails with
+:class:`~ortpass.errors.TrainingGraphError` naming the Function and the side.
 """
 
 from __future__ import annotations
@@ -24,16 +27,20 @@ import contextlib
 import dataclasses
 import functools
 import itertools
+import logging
 import threading
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, TypeVar
 
 import torch
 import torch.utils._pytree as pytree
 
 from ortpass.errors import TrainingGraphError
+from ortpass.training import python_ops
 
-__all__ = ["FunctionCalls", "functions_taken_into_the_graph"]
+logger = logging.getLogger(__name__)
+
+__all__ = ["FunctionCalls", "functions_taken_into_the_graph", "retrying_untraceable"]
 
 _NAMESPACE = "ortpass_function"
 _Function = torch.autograd.Function
@@ -69,19 +76,29 @@ class FunctionCalls:
     """The Functions one build took into its graph, and the first that torch could not trace."""
 
     applied: list[str] = dataclasses.field(default_factory=list)
-    failed: tuple[str, str, BaseException] | None = None  # (Function, "forward"/"backward", error)
+    failed: tuple[str, str, BaseException] | None = None  # (Function, "forward"/"backward"/"opaque", error)
     numbers: list[int] = dataclasses.field(default_factory=list)
+    # Functions run as Python ops, each with why: (the side torch could not trace, its error).
+    opaque: Mapping[type, tuple[str, BaseException]] = dataclasses.field(default_factory=dict)
+    forward_only: bool = False  # a graph without backward: Functions inlined, the opaque ones keep no ctx
+    failed_class: type | None = None
 
     def refuse_untraceable(self, shown: str) -> None:
         """Raise naming the Function whose trace failed, if one did."""
         if self.failed is None:
             return
         name, side, exc = self.failed
+        cause, why = exc, ""
+        if side == "opaque":  # it failed as a Python op too
+            side, cause = self.opaque[self.failed_class]
+            why = f" It would run as a Python op, but: {exc}."
+        elif not python_ops.extensions_available():
+            why = " On stock onnxruntime, pip install onnxruntime-extensions to run it as a Python op."
         raise TrainingGraphError(
             f"{shown} applies torch.autograd.Function {name}, whose {side} torch cannot trace "
-            f"({type(exc).__name__}: {_first_line(exc)}): a custom kernel, numpy, or a branch on a tensor's value "
-            "runs outside torch's ops. The torch builder takes a Function into the graph as torch traces it; use "
-            "ORT's builder (onnxruntime-training runs it as a PythonOp), or ORTModule(fallback='torch')"
+            f"({type(cause).__name__}: {_first_line(cause)}): a custom kernel, numpy, or a branch on a tensor's value "
+            f"runs outside torch's ops. The torch builder takes a Function into the graph as torch traces it.{why} "
+            "ORT's builder (onnxruntime-training) runs it as a PythonOp, or use ORTModule(fallback='torch')"
         ) from exc
 
 
@@ -99,6 +116,7 @@ def _note_failure(cls: type, side: str, exc: BaseException) -> None:
     build = getattr(_local, "build", None)
     if build is not None and build.failed is None:
         build.failed = (qualified(cls), side, exc)
+        build.failed_class = cls
 
 
 @functools.cache
@@ -155,9 +173,21 @@ def _routed_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
     build = getattr(_local, "build", None)
     if build is None or getattr(_local, "inside", False):
         return _apply(cls, *args, **kwargs)
+    build.applied.append(qualified(cls))
+    if cls in build.opaque:
+        try:
+            return python_ops.opaque_apply(cls, args, kwargs, keep_context=not build.forward_only)
+        except python_ops.OpaqueFunctionError as exc:
+            _note_failure(cls, "opaque", exc)
+            raise
+    if build.forward_only:  # inlined, as torch.export traces it; a failure names the Function
+        try:
+            return _apply(cls, *args, **kwargs)
+        except Exception as exc:
+            _note_failure(cls, "forward", exc)
+            raise
     leaves, spec = pytree.tree_flatten((args, kwargs))
     tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-    build.applied.append(qualified(cls))
     if not tensors:  # nothing to differentiate: its forward is the whole story
         return _apply(cls, *args, **kwargs)
     number = next(_numbers)
@@ -173,12 +203,14 @@ def _routed_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
 
 
 @contextlib.contextmanager
-def functions_taken_into_the_graph() -> Iterator[FunctionCalls]:
+def functions_taken_into_the_graph(
+    opaque: Mapping[type, tuple[str, BaseException]] | None = None, forward_only: bool = False
+) -> Iterator[FunctionCalls]:
     """One build's scope: the Function calls routed while it is open (``Function.apply``
     is routed only inside :func:`routing`, around ``torch.export``) are kept until it
     closes, for the joint trace to run: the program torch.export returns names each call
     by its number."""
-    build = FunctionCalls()
+    build = FunctionCalls(opaque=opaque or {}, forward_only=forward_only)
     previous = getattr(_local, "build", None)
     _local.build = build
     try:
@@ -197,3 +229,23 @@ def routing() -> Iterator[None]:
         yield
     finally:
         _Function.apply = _ORIGINAL_APPLY
+
+
+_Built = TypeVar("_Built")
+
+
+def retrying_untraceable(build: Callable[[FunctionCalls], _Built], *, forward_only: bool = False) -> _Built:
+    """``build(functions)`` inside :func:`functions_taken_into_the_graph`, again with each
+    Function whose trace failed made opaque (a Python op), while onnxruntime-extensions is
+    there to run it; one that fails as opaque too, or without it, raises as it did."""
+    opaque: dict[type, tuple[str, BaseException]] = {}
+    while True:
+        with functions_taken_into_the_graph(dict(opaque), forward_only) as functions:
+            try:
+                return build(functions)
+            except TrainingGraphError:
+                cls, failed = functions.failed_class, functions.failed
+                if cls is None or failed is None or cls in opaque or not python_ops.extensions_available():
+                    raise
+        logger.info("torch.autograd.Function %s: torch cannot trace its %s, it runs as a Python op", qualified(cls), failed[1])
+        opaque[cls] = (failed[1], failed[2])

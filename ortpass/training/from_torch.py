@@ -46,7 +46,7 @@ from ortpass.conventions import BUFFER_UPDATES_KEY
 from ortpass.errors import TrainingGraphError
 from ortpass.export.control_flow import data_dependent_refusal
 from ortpass.infra.metadata import update_export_info
-from ortpass.training.autograd_functions import FunctionCalls, functions_taken_into_the_graph, routing
+from ortpass.training.autograd_functions import FunctionCalls, retrying_untraceable, routing
 from ortpass.training.joint_decompositions import joint_decompositions
 from ortpass.training.joint_onnx import joint_to_onnx, record_training_graph, without_terminal_codes
 from ortpass.training.label_gather import DEFAULT_THRESHOLD, LabelGather
@@ -271,15 +271,16 @@ def _attention_as_math() -> Iterator[None]:
 
 def _export(module: torch.nn.Module, args: tuple, dynamic: tuple, functions: FunctionCalls | None = None) -> torch.export.ExportedProgram:
     """``module`` traced by torch.export; with ``functions``, each autograd Function call
-    kept whole for the joint trace, else inlined (its forward: a graph without backward)."""
-    routed = routing() if functions is not None else contextlib.nullcontext()
+    kept whole for the joint trace, else inlined (its forward: a graph without backward),
+    but for those torch cannot trace, which run as Python ops either way."""
+    if functions is None:
+        return retrying_untraceable(lambda calls: _export(module, args, dynamic, calls), forward_only=True)
     # Grad on: a call under no_grad that updates BatchNorm statistics is traced as a step.
-    with routed, torch.random.fork_rng(devices=[]), _attention_as_math(), torch.enable_grad():
+    with routing(), torch.random.fork_rng(devices=[]), _attention_as_math(), torch.enable_grad():
         try:
             return torch.export.export(module, args, dynamic_shapes=(dynamic,), strict=False)
         except Exception as exc:
-            if functions is not None:
-                functions.refuse_untraceable(_shown(module))
+            functions.refuse_untraceable(_shown(module))
             refusal = data_dependent_refusal(exc, _shown(module))  # a path read from a tensor: named by file:line
             if refusal is not None:
                 raise refusal from exc
@@ -352,17 +353,21 @@ def _output_names(given, count: int, loss_index: int | None) -> list[str]:
 
 
 def _joint_program(joint: _Joint, args: tuple, dynamic: tuple) -> torch.export.ExportedProgram:
+    # The Functions' calls live until the joint trace ran; one torch cannot trace, again as a Python op.
+    return retrying_untraceable(lambda functions: _joint_program_once(joint, args, dynamic, functions))
+
+
+def _joint_program_once(joint: _Joint, args: tuple, dynamic: tuple, functions: FunctionCalls) -> torch.export.ExportedProgram:
     from torch.export.experimental import _export_forward_backward
 
-    with functions_taken_into_the_graph() as functions:  # their calls live until the joint trace ran
-        program = _export(joint, args, dynamic, functions)
-        _drop_unread_parameters(program)
-        try:
-            with joint_decompositions(), torch.enable_grad():  # ATen ops torch.onnx cannot write (right)
-                joint_program = _export_forward_backward(program, joint_loss_index=0)
-        except Exception as exc:
-            functions.refuse_untraceable(_shown(joint))
-            raise TrainingGraphError(f"torch could not trace the backward of {_shown(joint)}: {without_terminal_codes(str(exc))}") from exc
+    program = _export(joint, args, dynamic, functions)
+    _drop_unread_parameters(program)
+    try:
+        with joint_decompositions(), torch.enable_grad():  # ATen ops torch.onnx cannot write (right)
+            joint_program = _export_forward_backward(program, joint_loss_index=0)
+    except Exception as exc:
+        functions.refuse_untraceable(_shown(joint))
+        raise TrainingGraphError(f"torch could not trace the backward of {_shown(joint)}: {without_terminal_codes(str(exc))}") from exc
     if functions.applied:
         logger.info("autograd Functions traced into the joint graph: %s", sorted(set(functions.applied)))
     return joint_program
