@@ -135,9 +135,14 @@ def _install_hook(extensions: Any) -> None:
     global _hooked
     if _hooked:
         return
-    from onnxruntime_extensions import _ocos
+    _hooked = True
+    try:
+        from onnxruntime_extensions import _ocos
 
-    theirs, definitions = _ocos._on_pyop_invocation, _ocos.Opdef._odlist
+        theirs, definitions = _ocos._on_pyop_invocation, _ocos.Opdef._odlist
+    except (ImportError, AttributeError):  # another version's internals: its own hook (lists) runs
+        logger.warning("onnxruntime-extensions %s: Python op outputs go back as lists (slow)", extensions.__version__)
+        return
 
     def invoke(op_id: int, feed: Any, attributes: Any) -> tuple:
         if op_id not in _ours:
@@ -150,7 +155,6 @@ def _install_hook(extensions: Any) -> None:
         return tuple(flat)
 
     extensions.PyOp.install_hooker(invoke)
-    _hooked = True
 
 
 def _failed(exc: BaseException, call: OpaqueCall, side: str, dtypes: list[torch.dtype]) -> tuple[np.ndarray, ...]:
