@@ -55,7 +55,12 @@ def region_backward(
                 if any(v in seeded for v in inputs):
                     seeded.update(node.outputs)
                 own.update(v for v in node.outputs if v not in seeded or not _hands_on(v, operands, from_operands))
-        elif inputs and all(v in boundary or v in derived or _is_constant(v, graph) for v in inputs):
+        elif (node.op_type == "Shape" and len(plain) == len(inputs)) or (
+            inputs and all(v in boundary or v in derived or _is_constant(v, graph) for v in inputs)
+        ):
+            # A Shape of a value outside the region reads no data: the torch builder's label
+            # gather scatters the rows' gradient into zeros sized from the ids' Shape
+            # (ortpass.training.label_gather).
             derived.update(node.outputs)
             if any(v in from_operands for v in inputs):
                 from_operands.update(node.outputs)

@@ -9,7 +9,7 @@ import dataclasses
 
 import onnx_ir as ir
 
-from ortpass.conventions import MS_DOMAIN
+from ortpass.conventions import MS_DOMAIN, is_onnx_domain
 from ortpass.ops.sce_loss import is_sce_loss, sce_ignore_index, sce_reduction
 from ortpass.ops.torch_nll_loss import match_torch_nll
 
@@ -50,6 +50,10 @@ def loss_side(node: ir.Node, model: ir.Model, loss_name: str | None) -> LossSide
     torch_loss = match_torch_nll(node.outputs[0])
     if torch_loss is None:
         return None
+    row_gather, row_indices = _torch_row_gather_of(torch_loss.logits)
+    if row_gather is not None:  # the torch builder's label gather (ortpass.training.label_gather)
+        return LossSide(node, [row_gather, *torch_loss.nodes], row_gather.inputs[0], torch_loss.labels,
+                        torch_loss.ignore_index, torch_loss.reduction, row_indices)  # fmt: skip
     return LossSide(node, torch_loss.nodes, torch_loss.logits, torch_loss.labels, torch_loss.ignore_index, torch_loss.reduction)
 
 
@@ -79,4 +83,25 @@ def _row_gather_of(logits: ir.Value) -> tuple[ir.Node | None, ir.Value | None]:
     indices = gather.inputs[1]
     if indices is None or indices.shape is None or indices.shape.rank() != 1 or indices.dtype != ir.DataType.INT64:
         raise UnsupportedLoss("the rows gathered before the loss are not a rank-1 int64 index")
+    return gather, indices
+
+
+def _torch_row_gather_of(logits: ir.Value) -> tuple[ir.Node | None, ir.Value | None]:
+    """The torch builder's gather of the valid label rows (``index_select``, written as
+    ``Gather(axis 0)`` of ``N x V`` logits by a rank-1 int64 index), and its indices."""
+    gather = logits.producer()
+    if gather is None or gather.op_type != "Gather" or not is_onnx_domain(gather.domain):
+        return None, None
+    source, indices = gather.inputs[0], gather.inputs[1]
+    if gather.attributes.get_int("axis", 0) != 0 or source is None or source.shape is None or source.shape.rank() != 2:
+        return None, None
+    if indices is None or indices.shape is None or indices.shape.rank() != 1 or indices.dtype != ir.DataType.INT64:
+        return None, None
+    # torch.onnx reshapes index_select's index to rank 1; its backward scatters by the
+    # index before that Reshape, which must then be the one the pass takes as given.
+    reshape = indices.producer()
+    if reshape is not None and reshape.op_type == "Reshape" and is_onnx_domain(reshape.domain):
+        flat = reshape.inputs[0]
+        if flat is not None and flat.shape is not None and flat.shape.rank() == 1 and flat.dtype == ir.DataType.INT64:
+            indices = flat
     return gather, indices
