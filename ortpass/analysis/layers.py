@@ -119,7 +119,7 @@ def _is_norm(node: ir.Node) -> bool:
 
 
 def _is_attention(node: ir.Node) -> bool:
-    if node.op_type in _ATTENTION_OPS:
+    if node.op_type in _ATTENTION_OPS or node.op_type.startswith("OrtpassAttention_"):  # stock fused attention
         return True
     func_name = recomputable_function_of(node)
     return func_name is not None and func_name in attention_functions()

@@ -46,6 +46,7 @@ from ortpass.conventions import BUFFER_UPDATES_KEY
 from ortpass.errors import TrainingGraphError
 from ortpass.export.control_flow import data_dependent_refusal
 from ortpass.infra.metadata import update_export_info
+from ortpass.training import stock_attention
 from ortpass.training.autograd_functions import FunctionCalls, retrying_untraceable, routing
 from ortpass.training.joint_decompositions import joint_decompositions
 from ortpass.training.joint_onnx import joint_to_onnx, record_training_graph, without_terminal_codes
@@ -68,6 +69,7 @@ def build_training_graph_from_torch(
     loss: int | None | str | Callable[[list[torch.Tensor]], int | None] = "auto",
     outputs_with_grad: Sequence[int] | None = None,
     density_threshold: float | None = DEFAULT_THRESHOLD,
+    fused_attention: bool = False,
 ) -> ir.Model:
     """Trace ``module`` at ``args`` and return its training graph in standard ONNX ops.
 
@@ -94,6 +96,8 @@ def build_training_graph_from_torch(
         density_threshold: a cross-entropy whose labels at ``args`` are valid under this
             percent is traced over its valid rows (:mod:`ortpass.training.label_gather`);
             None: never.
+        fused_attention: SDPA calls without dropout as one Python op running torch's kernel
+            (:mod:`ortpass.training.stock_attention`, needs onnxruntime-extensions to run).
 
     Raises:
         TrainingGraphError: a torch.autograd.Function torch cannot trace (named), nothing
@@ -112,7 +116,8 @@ def build_training_graph_from_torch(
     seeds = [torch.ones_like(probe[loss_index])] if loss_index is not None else [torch.ones_like(probe[k]) for k in with_grad]
     joint = _Joint(module, len(args), loss_index, with_grad)
     seed_dynamic = tuple({a: torch.export.Dim.AUTO for a in range(s.dim())} or None for s in seeds)
-    program = gather.traced(_joint_program, joint, (*args, *seeds), (*dynamic, *seed_dynamic))
+    with stock_attention.fusing(fused_attention):
+        program = gather.traced(_joint_program, joint, (*args, *seeds), (*dynamic, *seed_dynamic))
     backward = program.graph_signature.backward_signature  # read before joint_to_onnx changes the kinds
     mutated = dict(program.graph_signature.buffers_to_mutate)  # output arg -> buffer, likewise
     output_args = [spec.arg.name for spec in program.graph_signature.output_specs]
@@ -262,7 +267,7 @@ def _bias(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _attention_as_math() -> Iterator[None]:
     functional = torch.nn.functional
     original = functional.scaled_dot_product_attention
-    functional.scaled_dot_product_attention = _math_attention
+    functional.scaled_dot_product_attention = stock_attention.replacement(_math_attention)  # fused where asked
     try:
         yield
     finally:

@@ -24,7 +24,7 @@ from ortpass.analysis.partition import TrainingInfo, set_training_info, tag
 from ortpass.conventions import BUFFER_UPDATES_KEY, BUILDER_KEY, MAX_ORT_IR_VERSION, SIDE_KEY
 from ortpass.errors import TrainingGraphError
 from ortpass.ops.optimizer import optimize_keeping_training_values
-from ortpass.training import python_ops
+from ortpass.training import python_ops, stock_attention
 
 __all__ = ["joint_to_onnx", "name_outputs", "record_training_graph", "without_terminal_codes"]
 
@@ -50,7 +50,7 @@ def joint_to_onnx(program: torch.export.ExportedProgram, input_names: list[str])
         # Not torch.onnx's optimize=True: its optimizer folds Transpose(weight) into a
         # constant and merges equal weights.  onnxscript-optimize keeps the parameters.
         # An opaque Function call (ortpass.training.python_ops) is one custom-domain node.
-        table = python_ops.translation_table(program)
+        table = {**python_ops.translation_table(program), **stock_attention.translation_table(program)}
         onnx_program = torch.onnx.export(program, dynamo=True, optimize=False, verbose=False, custom_translation_table=table)
     except Exception as exc:
         raise TrainingGraphError(f"torch.onnx could not write the joint graph: {without_terminal_codes(str(exc))}") from exc
@@ -63,6 +63,7 @@ def joint_to_onnx(program: torch.export.ExportedProgram, input_names: list[str])
     _broadcast_expanded_scalars(model.graph)
     _transposes_read_by_gemm(model.graph)
     python_ops.type_outputs(model)
+    stock_attention.type_outputs(model)
     model.ir_version = min(model.ir_version, MAX_ORT_IR_VERSION)
     user_inputs = [v for v in model.graph.inputs if v.name not in model.graph.initializers]
     for value, name in zip(user_inputs, input_names):

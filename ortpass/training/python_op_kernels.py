@@ -37,13 +37,14 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
 from ortpass.errors import OrtpassError
-from ortpass.training.python_ops import FORWARD_PREFIX, OpaqueCall, is_python_op, opaque_call
+from ortpass.training.python_ops import DOMAIN_PREFIX, FORWARD_PREFIX, OpaqueCall, is_python_op, is_python_op_type, opaque_call
 
 __all__ = ["live_contexts", "prepare", "take_failure", "uses_python_ops"]
 
@@ -72,16 +73,34 @@ def prepare(proto: Any, options: Any) -> None:
             "onnxruntime-extensions: pip install onnxruntime-extensions"
         ) from exc
     for node in proto.graph.node:
-        if not is_python_op(node):
+        if not node.domain.startswith(DOMAIN_PREFIX):
             continue
-        call = opaque_call(int(node.op_type.rpartition("_")[2]))
-        if call is None:
+        kernel = _kernel_of(node.op_type)
+        if kernel is None:
             raise OrtpassError(
-                f"node {node.name!r} runs {node.op_type}, a torch.autograd.Function call that ortpass did not trace in this "
-                "process; a graph with Python ops runs only where ortpass built it (nothing a model names is imported)"
+                f"node {node.name!r} runs {node.op_type}, a Python op that ortpass did not trace in this process; a graph "
+                "with Python ops runs only where ortpass built it (nothing a model names is imported)"
             )
-        _register(onnxruntime_extensions, node.domain, node.op_type, call)
+        _register(onnxruntime_extensions, node.domain, node.op_type, *kernel)
     options.register_custom_ops_library(onnxruntime_extensions.get_library_path())
+
+
+#: Kernels of other Python op kinds (``ortpass.training.stock_attention``): op type -> the
+#: op's (input dtypes, output dtypes, body), or None when it is not theirs.
+kernel_sources: list[Callable[[str], tuple[list[torch.dtype], list[torch.dtype], Callable] | None]] = []
+
+
+def _kernel_of(op_type: str) -> tuple[list[torch.dtype], list[torch.dtype], Callable] | None:
+    for source in kernel_sources:
+        kernel = source(op_type)
+        if kernel is not None:
+            return kernel
+    call = opaque_call(int(op_type.rpartition("_")[2])) if is_python_op_type(op_type) else None
+    if call is None:
+        return None
+    if op_type.startswith(FORWARD_PREFIX):
+        return call.input_dtypes, [torch.int64, *call.output_dtypes], _forward_kernel(call)
+    return [torch.int64, *call.output_dtypes], [call.input_dtypes[k] for k in call.differentiable], _backward_kernel(call)
 
 
 def take_failure() -> BaseException | None:
@@ -102,24 +121,20 @@ _PYOP_TYPES = {
 }  # fmt: skip
 
 
-def _register(extensions: Any, domain: str, op_type: str, call: OpaqueCall) -> None:
+def register_failure(error: BaseException) -> None:
+    """Keep ``error`` for the session to raise after the run (the first one of a run wins)."""
+    if getattr(_failure, "error", None) is None:
+        _failure.error = error
+
+
+def _register(extensions: Any, domain: str, op_type: str, inputs: list, outputs: list, body: Callable) -> None:
     with _lock:
         if op_type in _registered:
             return
         _install_hook(extensions)
         types = extensions.PyOp
-
-        def dt(dtype: torch.dtype) -> int:
-            return getattr(types, _PYOP_TYPES[dtype])
-
-        if op_type.startswith(FORWARD_PREFIX):
-            inputs = [dt(d) for d in call.input_dtypes]
-            outputs = [types.dt_int64, *(dt(d) for d in call.output_dtypes)]
-            body = _forward_kernel(call)
-        else:
-            inputs = [types.dt_int64, *(dt(d) for d in call.output_dtypes)]
-            outputs = [dt(call.input_dtypes[k]) for k in call.differentiable]
-            body = _backward_kernel(call)
+        inputs = [getattr(types, _PYOP_TYPES[d]) for d in inputs]
+        outputs = [getattr(types, _PYOP_TYPES[d]) for d in outputs]
         definition = extensions.onnx_op(op_type=f"{domain}::{op_type}", inputs=inputs, outputs=outputs, attrs={"func_name": types.dt_string})(body)
         _ours.add(definition._id)
         _registered.add(op_type)
@@ -160,10 +175,9 @@ def _install_hook(extensions: Any) -> None:
 def _failed(exc: BaseException, call: OpaqueCall, side: str, dtypes: list[torch.dtype]) -> tuple[np.ndarray, ...]:
     """Keep the error for the session to raise; empty outputs of the declared types."""
     logger.debug("%s of %s failed", side, call.func_name, exc_info=exc)
-    if getattr(_failure, "error", None) is None:
-        error = OrtpassError(f"the {side} of torch.autograd.Function {call.func_name} raised {type(exc).__name__}: {exc}")
-        error.__cause__ = exc
-        _failure.error = error
+    error = OrtpassError(f"the {side} of torch.autograd.Function {call.func_name} raised {type(exc).__name__}: {exc}")
+    error.__cause__ = exc
+    register_failure(error)
     return tuple(np.zeros((0,), dtype=torch.empty((), dtype=d).numpy().dtype) for d in dtypes)
 
 

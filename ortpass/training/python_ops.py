@@ -88,7 +88,11 @@ def opaque_call(number: int) -> OpaqueCall | None:
 
 def is_python_op(node: Any) -> bool:
     """Whether an ONNX node (onnx_ir or proto) is an opaque Function's forward or backward."""
-    return node.domain.startswith(DOMAIN_PREFIX) and node.op_type.startswith((FORWARD_PREFIX, BACKWARD_PREFIX))
+    return node.domain.startswith(DOMAIN_PREFIX) and is_python_op_type(node.op_type)
+
+
+def is_python_op_type(op_type: str) -> bool:
+    return op_type.startswith((FORWARD_PREFIX, BACKWARD_PREFIX)) and op_type.rpartition("_")[2].isdigit()
 
 
 @functools.cache

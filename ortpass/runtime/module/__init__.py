@@ -101,6 +101,9 @@ class ORTModule(ModelFacade, GraphBuilding, torch.nn.Module):
             calls without attention dropout (LLaMA-like models), where it is faster as well
             as smaller, and calls with dropout whose attention at the first batch is large
             (``AUTO_DROPOUT_BYTES``); the others export decomposed (README, "Fused attention").
+            On the torch builder (stock), ``True`` makes the calls without dropout one Python
+            op running torch's kernels (``ortpass.training.stock_attention``); ``"auto"``
+            keeps them decomposed there.
         differentiate: ``"auto"``: where the module returns a loss, the step
             differentiates that loss only, in one graph (a gradient reaching another output
             raises); otherwise every output that requires grad.  ``"outputs"``: every
@@ -169,10 +172,10 @@ class ORTModule(ModelFacade, GraphBuilding, torch.nn.Module):
             from ortpass.training.backend import has_training_ops
 
             builder = "ort" if has_training_ops() else "torch"
-        if builder == "torch" and fused_attention is True:
+        if builder == "torch" and fused_attention is True and not _extensions_available():
             raise OrtpassError(
-                "fused_attention=True exports attention as a PythonOp, which needs ORT's builder and the training "
-                "build; the torch builder differentiates attention as torch decomposes it"
+                "fused_attention=True on the torch builder runs attention as a Python op, which stock onnxruntime runs "
+                "only through onnxruntime-extensions: pip install onnxruntime-extensions (or use ORT's builder)"
             )
         # A pipeline the user did not write: its recompute level was not their choice either,
         # so a graph without transformer layers says "recomputes nothing" at INFO only.
@@ -357,3 +360,9 @@ def _names_cuda(providers: Any) -> bool:
     if providers is None or isinstance(providers, str):
         return providers == "cuda"
     return "CUDAExecutionProvider" in list(providers)
+
+
+def _extensions_available() -> bool:
+    from ortpass.training.python_ops import extensions_available
+
+    return extensions_available()

@@ -309,7 +309,8 @@ class GraphBuilding:
         with export_side_effects_undone(self.module), checkpointing_disabled(self.module, self._notice_checkpointing):
             if kind == "train":
                 model = build_training_graph_from_torch(
-                    flat, traced, input_names=names, dynamic_axes=dynamic, loss=lambda _: 0 if found_loss() else None
+                    flat, traced, input_names=names, dynamic_axes=dynamic, loss=lambda _: 0 if found_loss() else None,
+                    fused_attention=self.fused_attention is True,  # a Python op on stock (ortpass.training.stock_attention)
                 )
             else:
                 model = build_forward_graph_from_torch(flat, traced, input_names=names, dynamic_axes=dynamic)

@@ -1,0 +1,265 @@
+"""Fused attention on stock onnxruntime: ``scaled_dot_product_attention`` as one Python op
+whose kernel is torch's, forward and backward (the torch builder, through
+onnxruntime-extensions: :mod:`ortpass.training.python_op_kernels`).
+
+The rule: while the builder traces, an SDPA call without dropout becomes
+``ortpass_attention::forward_<n>(q, k, v[, mask]) -> out``, and its gradient
+``ortpass_attention::backward_<n>(dout, q, k, v[, mask]) -> (dq, dk, dv)``; ``<n>`` numbers
+the call's constants (causal, scale, grouped heads, the mask's kind).  Both are stateless:
+the forward kernel runs torch's SDPA (its fused CPU flash kernel), keeping nothing; the
+backward kernel runs it again with autograd from the same inputs and differentiates it, as
+FlashAttention's own backward recomputes the probabilities.  So no batch x heads x seq x
+seq tensor lives between forward and backward, the backward reads only the attention's
+inputs (which the recompute pass may recompute in their turn), and the forward node is
+registered recomputable (:func:`ortpass.analysis.recomputable_ops.register_recomputable_op`):
+a clone of it computes the same output, being a function of its inputs alone.
+
+Not fused, left to the math attention (:func:`ortpass.training.from_torch._math_attention`),
+which is exact: a call with dropout (a recomputed clone would need the forward's dropout
+mask replayed, which this route does not do yet), and a float mask that requires grad
+(T5's position bias: its gradient is not computed here).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import itertools
+import logging
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+__all__ = ["BACKWARD_PREFIX", "FORWARD_PREFIX", "fused_calls", "fusing", "replacement"]
+
+logger = logging.getLogger(__name__)
+
+FORWARD_PREFIX, BACKWARD_PREFIX = "OrtpassAttention_", "OrtpassAttentionGrad_"
+_NAMESPACE = "ortpass_attention"
+_torch_sdpa = F.scaled_dot_product_attention  # torch's own, taken before the builder patches the name
+
+
+@dataclasses.dataclass(frozen=True)
+class _Attention:
+    number: int
+    is_causal: bool
+    scale: float | None
+    enable_gqa: bool
+    dtype: torch.dtype
+    mask_dtype: torch.dtype | None  # None: no mask
+
+    @property
+    def input_dtypes(self) -> list[torch.dtype]:
+        return [self.dtype] * 3 + ([self.mask_dtype] if self.mask_dtype is not None else [])
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        return _torch_sdpa(q, k, v, attn_mask=mask, is_causal=self.is_causal, scale=self.scale, enable_gqa=self.enable_gqa)
+
+
+_calls: dict[int, _Attention] = {}
+_by_options: dict[tuple, _Attention] = {}
+_numbers = itertools.count()
+_lock = threading.Lock()
+fused_calls: list[int] = []  # every call fused so far in this process (numbers), for tests and logs
+
+
+@functools.cache
+def _library() -> torch.library.Library:
+    return torch.library.Library(_NAMESPACE, "FRAGMENT")
+
+
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def fusing(enabled: bool) -> Iterator[None]:
+    """While open, the builder's traces in this thread fuse SDPA calls (:func:`replacement`)."""
+    previous = getattr(_local, "enabled", False)
+    _local.enabled = enabled
+    try:
+        yield
+    finally:
+        _local.enabled = previous
+
+
+def replacement(math_attention: Any) -> Any:
+    """What SDPA becomes while the builder traces: the fused op where :func:`fusing` is on."""
+    return _sdpa_as_python_op(math_attention) if getattr(_local, "enabled", False) else math_attention
+
+
+def _sdpa_as_python_op(math_attention: Any) -> Any:
+    """An SDPA replacement for the builder's trace: fused where this module can, else
+    ``math_attention`` (same arguments)."""
+
+    def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        mask_requires_grad = attn_mask is not None and attn_mask.is_floating_point() and attn_mask.requires_grad
+        if dropout_p > 0.0 or mask_requires_grad or query.dtype not in (torch.float32, torch.float64):
+            return math_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        mask_dtype = attn_mask.dtype if attn_mask is not None else None
+        if mask_dtype is not None and mask_dtype not in (torch.bool, query.dtype):
+            return math_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        call = _call_for(bool(is_causal), scale, bool(enable_gqa), query.dtype, mask_dtype)
+        tensors = [query, key, value] + ([attn_mask] if attn_mask is not None else [])
+        fused_calls.append(call.number)
+        return getattr(torch.ops.ortpass_attention, f"forward_{call.number}")(*tensors)
+
+    return attention
+
+
+def _call_for(is_causal: bool, scale: float | None, enable_gqa: bool, dtype: torch.dtype, mask_dtype) -> _Attention:
+    options = (is_causal, scale, enable_gqa, dtype, mask_dtype)
+    with _lock:
+        call = _by_options.get(options)
+        if call is None:
+            call = _Attention(next(_numbers), *options)
+            _define(call)
+            _calls[call.number] = _by_options[options] = call
+    return call
+
+
+def _define(call: _Attention) -> None:
+    from ortpass.analysis.recomputable_ops import register_recomputable_op
+    from ortpass.training.python_ops import DOMAIN_PREFIX
+
+    library, n = _library(), call.number
+    mask = ", Tensor mask" if call.mask_dtype is not None else ""
+    library.define(f"forward_{n}(Tensor q, Tensor k, Tensor v{mask}) -> Tensor")
+    library.define(f"backward_{n}(Tensor dout, Tensor q, Tensor k, Tensor v{mask}) -> (Tensor, Tensor, Tensor)")
+
+    def fake_forward(q, k, v, *mask):
+        return q.new_empty((*q.shape[:-1], v.shape[-1]))
+
+    def fake_backward(dout, q, k, v, *mask):
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    def outside(*_: Any) -> Any:
+        raise RuntimeError(f"{_NAMESPACE}::forward_{n} runs only inside ONNX Runtime")
+
+    torch.library.register_fake(f"{_NAMESPACE}::forward_{n}", fake_forward, lib=library)
+    torch.library.register_fake(f"{_NAMESPACE}::backward_{n}", fake_backward, lib=library)
+    library.impl(f"forward_{n}", outside, "CompositeExplicitAutograd")
+    library.impl(f"backward_{n}", outside, "CompositeExplicitAutograd")
+
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    def backward(ctx, dout):
+        grads = getattr(torch.ops.ortpass_attention, f"backward_{n}")(dout, *ctx.saved_tensors)
+        return (*grads, None) if call.mask_dtype is not None else grads
+
+    torch.library.register_autograd(f"{_NAMESPACE}::forward_{n}", backward, setup_context=setup_context, lib=library)
+    # A function of its inputs alone: a clone in backward computes the forward's output.
+    register_recomputable_op(f"{FORWARD_PREFIX}{n}", (1,), domain=f"{DOMAIN_PREFIX}attention{n}")
+
+
+def translation_table(program: torch.export.ExportedProgram) -> dict[Any, Any]:
+    """torch.onnx translations of the attention ops ``program`` holds: one node each."""
+    import onnxscript
+
+    from ortpass.training.python_ops import DOMAIN_PREFIX, _ensure_schema
+
+    table: dict[Any, Any] = {}
+    for node in program.graph.nodes:
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or target.namespace != _NAMESPACE:
+            continue
+        side, _, number = target._opname.partition("_")
+        call = _calls[int(number)]
+        forward = side == "forward"
+        domain = f"{DOMAIN_PREFIX}attention{'' if forward else 'grad'}{number}"
+        op_type = f"{FORWARD_PREFIX if forward else BACKWARD_PREFIX}{number}"
+        n_inputs = len(call.input_dtypes) + (0 if forward else 1)
+        _ensure_schema(domain, op_type, n_inputs, 1 if forward else 3)
+        table[target] = _translation(onnxscript.values.Opset(domain, 1), op_type, n_inputs, forward)
+    return table
+
+
+def _translation(opset: Any, op_type: str, n_inputs: int, forward: bool) -> Any:
+    def translate(*args: Any) -> Any:
+        outputs = getattr(opset, op_type)(*args[:n_inputs], func_name="torch.nn.functional.scaled_dot_product_attention")
+        return outputs if forward else tuple(outputs)
+
+    translate.__name__ = op_type
+    return translate
+
+
+def type_outputs(model: Any) -> None:
+    """The element types torch.onnx leaves unset on a custom op's tuple outputs."""
+    import onnx_ir as ir
+
+    from ortpass.training.python_ops import _onnx_type
+
+    for node in model.graph:
+        if node.op_type.startswith((FORWARD_PREFIX, BACKWARD_PREFIX)) and node.op_type.rpartition("_")[2].isdigit():
+            call = _calls.get(int(node.op_type.rpartition("_")[2]))
+            for value in node.outputs if call is not None else ():
+                value.dtype = ir.DataType(_onnx_type(call.dtype))
+
+
+def kernel_of(op_type: str) -> tuple[list[torch.dtype], list[torch.dtype], Any] | None:
+    """The Python op kernel of an attention op type (for python_op_kernels), or None."""
+    if not op_type.startswith((FORWARD_PREFIX, BACKWARD_PREFIX)):
+        return None
+    call = _calls.get(int(op_type.rpartition("_")[2]))
+    if call is None:
+        return None
+    if op_type.startswith(FORWARD_PREFIX):
+        return call.input_dtypes, [call.dtype], _forward_kernel(call)
+    return [call.dtype, *call.input_dtypes], [call.dtype] * 3, _backward_kernel(call)
+
+
+def _tensors(arrays) -> list[torch.Tensor]:
+    return [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
+
+
+def _forward_kernel(call: _Attention) -> Any:
+    def forward(q, k, v, *mask, **_: Any) -> np.ndarray:
+        try:
+            with torch.no_grad():
+                q, k, v, *mask = _tensors((q, k, v, *mask))
+                return call.attend(q, k, v, mask[0] if mask else None).numpy()
+        except BaseException as exc:  # raising here would abort the process
+            return _failed(exc, "forward", 1)
+
+    return forward
+
+
+def _backward_kernel(call: _Attention) -> Any:
+    def backward(dout, q, k, v, *mask, **_: Any) -> tuple[np.ndarray, ...]:
+        try:
+            dout, q, k, v, *mask = _tensors((dout, q, k, v, *mask))
+            leaves = [t.requires_grad_(True) for t in (q, k, v)]
+            with torch.enable_grad():
+                out = call.attend(*leaves, mask[0] if mask else None)
+                grads = torch.autograd.grad(out, leaves, dout)
+            return tuple(g.numpy() for g in grads)
+        except BaseException as exc:
+            return _failed(exc, "backward", 3)
+
+    return backward
+
+
+def _failed(exc: BaseException, side: str, count: int) -> Any:
+    from ortpass.errors import OrtpassError
+    from ortpass.training.python_op_kernels import register_failure
+
+    error = OrtpassError(f"the fused attention's {side} raised {type(exc).__name__}: {exc}")
+    error.__cause__ = exc
+    register_failure(error)
+    empty = tuple(np.zeros((0,), np.float32) for _ in range(count))
+    return empty if count > 1 else empty[0]
+
+
+def _register_kernels() -> None:
+    from ortpass.training import python_op_kernels
+
+    if kernel_of not in python_op_kernels.kernel_sources:
+        python_op_kernels.kernel_sources.append(kernel_of)
+
+
+_register_kernels()
