@@ -214,6 +214,10 @@ class LabelGather:
             renames = {old: f"{VALID_DIM_PREFIX}{k}" for k, old in enumerate(counts)}
             self.gathered = [dataclasses.replace(g, dim=renames[old]) for g, old in zip(self.gathered, counts)]
             renames.update(_aliases(model, renames))
+            for old, nonzero in counts.items():  # the memory analyses size every value
+                rank = nonzero.inputs[0].shape.rank() if nonzero.inputs[0] is not None and nonzero.inputs[0].shape else None
+                if rank is not None:
+                    nonzero.outputs[0].shape = ir.Shape([rank, ir.SymbolicDim(renames[old])])
             for value in values:
                 if value.shape is not None and any(_name(d) in renames for d in value.shape):
                     value.shape = ir.Shape([ir.SymbolicDim(renames[_name(d)]) if _name(d) in renames else d for d in value.shape])
@@ -232,10 +236,11 @@ def _name(dim: Any) -> str | None:
     return dim.value if isinstance(dim, ir.SymbolicDim) else None
 
 
-def _row_count_dims(model: ir.Model) -> list[str]:
-    """The data-dependent dim of each NonZero's rows, in graph order: torch.onnx writes
-    ``nonzero`` as ``Transpose(NonZero(x))``, whose first dim is the count (``u3``)."""
-    found = []
+def _row_count_dims(model: ir.Model) -> dict[str, ir.Node]:
+    """The data-dependent dim of each NonZero's rows, in graph order, and the NonZero:
+    torch.onnx writes ``nonzero`` as ``Transpose(NonZero(x))``, whose first dim is the
+    count (``u3``); the NonZero's own output leaves it anonymous."""
+    found: dict[str, ir.Node] = {}
     for node in model.graph:
         if node.op_type != "NonZero":
             continue
@@ -243,7 +248,7 @@ def _row_count_dims(model: ir.Model) -> list[str]:
             shape = use.node.outputs[0].shape if use.node.op_type == "Transpose" else None
             name = _name(shape[0]) if shape is not None and len(shape) == 2 else None
             if name is not None and _UNBACKED.match(name) and name not in found:
-                found.append(name)
+                found[name] = node
                 break
     return found
 
