@@ -211,3 +211,18 @@ def test_ortmodule_gathers_hugging_face_labels_and_trains_like_torch(name, caplo
     assert wrapped.graph_builds == 1
     gathered = [r.getMessage() for r in caplog.records if "valid rows only" in r.getMessage()]
     assert len(gathered) == 1 and "F.cross_entropy" in gathered[0] and "valid_label_count_0" in gathered[0], gathered
+
+
+def test_a_probe_already_active_leaves_the_build_ungathered_not_failed(caplog):
+    """The cross-entropy patch is process-wide: while another probe holds it (another
+    thread's export), the build goes on without the gather and says so."""
+    from ortpass.export.density import density_probe
+
+    torch.manual_seed(0)
+    module = _Head()
+    ids, labels = _batch(3, 5, 0.1, seed=0)
+    with caplog.at_level(logging.WARNING, logger=LOGGER), density_probe(nn.Module()):
+        model = _build(module, ids, labels)
+    assert gathered_losses(model) == [] and "NonZero" not in {n.op_type for n in model.graph}
+    assert any("not gathering" in r.getMessage() and "do not nest" in r.getMessage() for r in caplog.records)
+    _assert_like_torch(module, model, [_batch(b, s, share, seed) for b, s, share, seed in LATER[:2]])

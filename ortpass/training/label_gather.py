@@ -35,6 +35,7 @@ without: the build then gives the graph it gave before this existed, and says wh
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import re
@@ -44,6 +45,7 @@ from typing import Any, TypeVar
 import onnx_ir as ir
 import torch
 
+from ortpass.errors import ExportError
 from ortpass.export.density import (
     DEFAULT_THRESHOLD,
     DensityRecord,
@@ -119,13 +121,13 @@ class LabelGather:
 
             return cross_entropy_loss
 
-        with cross_entropy_replaced(make, "the torch builder's label gather"):
-            handles = track_loss_modules(self.module, sites)
-            try:
+        with contextlib.ExitStack() as stack:
+            if not self._replaced(stack, make):
+                self.records = []  # nothing measured: nothing gathered
                 return run(*args)
-            finally:
-                for handle in handles:
-                    handle.remove()
+            for handle in track_loss_modules(self.module, sites):
+                stack.callback(handle.remove)
+            return run(*args)
 
     # -- phase 2: the trace --------------------------------------------------------------
     def traced(self, run: Callable[..., T], *args: Any) -> T:
@@ -136,7 +138,9 @@ class LabelGather:
             return run(*args)
         self._traced_calls = 0
         try:
-            with cross_entropy_replaced(self._gathering, "the torch builder's label gather"):
+            with contextlib.ExitStack() as stack:
+                if not self._replaced(stack, self._gathering):
+                    return run(*args)
                 result = run(*args)
         except Exception as exc:
             if not self.gathered:
@@ -149,6 +153,17 @@ class LabelGather:
             return run(*args)
         self._log_kept()
         return result
+
+    @staticmethod
+    def _replaced(stack: contextlib.ExitStack, make: Callable[[Callable], Callable]) -> bool:
+        """Replace cross-entropy for the stack's block; False when another probe holds it
+        (another thread's export): the build then goes on without the gather."""
+        try:
+            stack.enter_context(cross_entropy_replaced(make, "the torch builder's label gather"))
+        except ExportError as exc:
+            logger.warning("label gather: not gathering (%s)", exc)
+            return False
+        return True
 
     def _gathering(self, original: Callable) -> Callable:
         def cross_entropy_loss(input, target, weight=None, reduction=1, ignore_index=-100, label_smoothing=0.0):
