@@ -1,7 +1,8 @@
 """Fused attention on the torch builder (stock onnxruntime): SDPA as one Python op whose
 kernels are torch's (:mod:`ortpass.training.stock_attention`), compared with torch eager at
-changing sizes, cloned by the recompute pass without changing a bit; calls it does not
-fuse (dropout, a mask that requires grad) keep the math attention.
+changing sizes, cloned by the recompute pass without changing a bit, with dropout too (its
+mask drawn again from the call's seed, and equal to torch's SDPA drawing from that seed); a
+mask that requires grad keeps the math attention.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from torch import nn
 import ortpass
 from ortpass.runtime import TrainingSession
 from ortpass.runtime.split_session import SplitTrainingSession
-from ortpass.training import python_ops
+from ortpass.training import python_ops, stock_attention
 from ortpass.training.from_torch import build_training_graph_from_torch
 
 pytestmark = [
@@ -111,11 +112,47 @@ def test_recompute_clones_the_fused_attention_and_changes_no_bit():
         np.testing.assert_array_equal(recomputed.gradients[name], grad, err_msg=name)
 
 
-def test_dropout_and_a_mask_that_requires_grad_keep_the_math_attention():
+def test_dropout_is_replayed_by_recompute_and_backward_from_the_calls_seed():
     torch.manual_seed(0)
-    model = _build(Decoder(Block("causal", dropout=0.1), Block("learned")), _batch(2, 6))
+    module = Decoder(Block("causal", dropout=0.3), Block("causal", dropout=0.3))
+    model = _build(module, _batch(2, 8))
+    assert sorted(set(_attention_nodes(model))) == ["OrtpassAttentionGrad_", "OrtpassAttentionSeed_", "OrtpassAttention_"]
+    result = ortpass.pipeline("fix-dropout-seed(level=1),recompute(level=1)", assume=["training-graph"])(model.clone())
+    assert sum(n.op_type.startswith("OrtpassAttention_") and n.name.endswith("_recompute") for n in result.model.graph) == 2
+    batch = _batch(2, 8, seed=5)
+    feeds = dict(zip(_NAMES, (t.numpy() for t in batch)))
+    torch.manual_seed(7)  # the seeds come from torch's generator, one per call and step
+    plain = TrainingSession(model, threads=1).run(feeds)
+    torch.manual_seed(7)
+    recomputed = TrainingSession(result.model, threads=1).run(feeds)
+    assert plain.loss == recomputed.loss  # the clones drew the forward's masks
+    for name, grad in plain.gradients.items():
+        np.testing.assert_array_equal(recomputed.gradients[name], grad, err_msg=name)
+
+    def seeded_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        seed = int(torch.randint(0, 2**62, ()))  # what the seed op draws
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return stock_attention._torch_sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(F, "scaled_dot_product_attention", seeded_sdpa)
+        torch.manual_seed(7)
+        loss = module(*batch)
+    expected = torch.autograd.grad(loss, list(module.parameters()), allow_unused=True)
+    assert float(plain.loss) == pytest.approx(loss.item(), rel=1e-6)  # the backward used the forward's masks
+    for (name, _), grad in zip(module.named_parameters(), expected):
+        if grad is not None:
+            np.testing.assert_allclose(plain.gradients[name], grad.numpy(), rtol=1e-4, atol=1e-6, err_msg=name)
+    torch.manual_seed(8)
+    assert TrainingSession(model, threads=1).run(feeds).loss != plain.loss  # another step, other masks
+
+
+def test_a_mask_that_requires_grad_keeps_the_math_attention():
+    torch.manual_seed(0)
+    model = _build(Decoder(Block("learned")), _batch(2, 6))
     assert _attention_nodes(model) == []
-    assert sum(n.op_type == "Softmax" for n in model.graph) == 2
+    assert sum(n.op_type == "Softmax" for n in model.graph) == 1
 
 
 @pytest.mark.slow

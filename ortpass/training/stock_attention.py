@@ -2,22 +2,26 @@
 whose kernel is torch's, forward and backward (the torch builder, through
 onnxruntime-extensions: :mod:`ortpass.training.python_op_kernels`).
 
-The rule: while the builder traces, an SDPA call without dropout becomes
-``ortpass_attention::forward_<n>(q, k, v[, mask]) -> out``, and its gradient
-``ortpass_attention::backward_<n>(dout, q, k, v[, mask]) -> (dq, dk, dv)``; ``<n>`` numbers
-the call's constants (causal, scale, grouped heads, the mask's kind).  Both are stateless:
-the forward kernel runs torch's SDPA (its fused CPU flash kernel), keeping nothing; the
-backward kernel runs it again with autograd from the same inputs and differentiates it, as
-FlashAttention's own backward recomputes the probabilities.  So no batch x heads x seq x
-seq tensor lives between forward and backward, the backward reads only the attention's
-inputs (which the recompute pass may recompute in their turn), and the forward node is
-registered recomputable (:func:`ortpass.analysis.recomputable_ops.register_recomputable_op`):
-a clone of it computes the same output, being a function of its inputs alone.
+The rule: while the builder traces (``fused_attention=True``), an SDPA call becomes
+``ortpass_attention::forward_<n>(q, k, v[, mask][, seed]) -> out``, and its gradient
+``ortpass_attention::backward_<n>(dout, q, k, v[, mask][, seed]) -> (dq, dk, dv)``; ``<n>``
+numbers the call's constants (causal, scale, grouped heads, the mask's kind, dropout).
+Both are stateless: the forward kernel runs torch's SDPA (its fused CPU kernel), keeping
+nothing; the backward kernel runs it again with autograd from the same inputs and
+differentiates it, as FlashAttention's own backward recomputes the probabilities.  So no
+batch x heads x seq x seq tensor lives between forward and backward, the backward reads
+only the attention's inputs (which the recompute pass may recompute in their turn), and
+the forward node is registered recomputable and as attention for layer detection: a clone
+computes the forward's output, being a function of its inputs alone.
 
-Not fused, left to the math attention (:func:`ortpass.training.from_torch._math_attention`),
-which is exact: a call with dropout (a recomputed clone would need the forward's dropout
-mask replayed, which this route does not do yet), and a float mask that requires grad
-(T5's position bias: its gradient is not computed here).
+Dropout: a call with ``dropout_p > 0`` gets ``seed_<n>(q) -> seed``, an int64 drawn from
+torch's generator once per call and step (not recomputable: the value is stashed, 8
+bytes); the forward, any recompute clone and the backward run SDPA under a generator
+seeded by it, so they draw the same mask.  The masks are torch's SDPA's own from that seed.
+
+Not fused, left to the math attention (``ortpass.training.from_torch._math_attention``),
+which is exact: a float mask that requires grad (T5's position bias: its gradient is not
+computed here), and dtypes other than float32 and float64.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ __all__ = ["BACKWARD_PREFIX", "FORWARD_PREFIX", "fused_calls", "fusing", "replac
 
 logger = logging.getLogger(__name__)
 
-FORWARD_PREFIX, BACKWARD_PREFIX = "OrtpassAttention_", "OrtpassAttentionGrad_"
+FORWARD_PREFIX, BACKWARD_PREFIX, SEED_PREFIX = "OrtpassAttention_", "OrtpassAttentionGrad_", "OrtpassAttentionSeed_"
 _NAMESPACE = "ortpass_attention"
 _torch_sdpa = F.scaled_dot_product_attention  # torch's own, taken before the builder patches the name
 
@@ -52,13 +56,23 @@ class _Attention:
     enable_gqa: bool
     dtype: torch.dtype
     mask_dtype: torch.dtype | None  # None: no mask
+    dropout_p: float = 0.0  # > 0: the ops take a seed (int64 scalar) last
 
     @property
     def input_dtypes(self) -> list[torch.dtype]:
-        return [self.dtype] * 3 + ([self.mask_dtype] if self.mask_dtype is not None else [])
+        seed = [torch.int64] if self.dropout_p > 0 else []
+        return [self.dtype] * 3 + ([self.mask_dtype] if self.mask_dtype is not None else []) + seed
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        return _torch_sdpa(q, k, v, attn_mask=mask, is_causal=self.is_causal, scale=self.scale, enable_gqa=self.enable_gqa)
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rest: list[torch.Tensor]) -> torch.Tensor:
+        """torch's SDPA; with dropout, its mask drawn from a generator seeded by ``rest[-1]``, so
+        the forward, a recompute clone and the backward draw the same one."""
+        mask = rest[0] if self.mask_dtype is not None else None
+        options = dict(attn_mask=mask, is_causal=self.is_causal, scale=self.scale, enable_gqa=self.enable_gqa)
+        if self.dropout_p == 0:
+            return _torch_sdpa(q, k, v, **options)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(int(rest[-1]))
+            return _torch_sdpa(q, k, v, dropout_p=self.dropout_p, **options)
 
 
 _calls: dict[int, _Attention] = {}
@@ -98,21 +112,23 @@ def _sdpa_as_python_op(math_attention: Any) -> Any:
 
     def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         mask_requires_grad = attn_mask is not None and attn_mask.is_floating_point() and attn_mask.requires_grad
-        if dropout_p > 0.0 or mask_requires_grad or query.dtype not in (torch.float32, torch.float64):
+        if mask_requires_grad or query.dtype not in (torch.float32, torch.float64):
             return math_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         mask_dtype = attn_mask.dtype if attn_mask is not None else None
         if mask_dtype is not None and mask_dtype not in (torch.bool, query.dtype):
             return math_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-        call = _call_for(bool(is_causal), scale, bool(enable_gqa), query.dtype, mask_dtype)
+        call = _call_for(bool(is_causal), scale, bool(enable_gqa), query.dtype, mask_dtype, float(dropout_p))
         tensors = [query, key, value] + ([attn_mask] if attn_mask is not None else [])
+        if call.dropout_p > 0:  # a seed drawn once per call and step, read by every op of the call
+            tensors.append(getattr(torch.ops.ortpass_attention, f"seed_{call.number}")(query.detach()))
         fused_calls.append(call.number)
         return getattr(torch.ops.ortpass_attention, f"forward_{call.number}")(*tensors)
 
     return attention
 
 
-def _call_for(is_causal: bool, scale: float | None, enable_gqa: bool, dtype: torch.dtype, mask_dtype) -> _Attention:
-    options = (is_causal, scale, enable_gqa, dtype, mask_dtype)
+def _call_for(is_causal: bool, scale: float | None, enable_gqa: bool, dtype: torch.dtype, mask_dtype, dropout_p: float) -> _Attention:
+    options = (is_causal, scale, enable_gqa, dtype, mask_dtype, dropout_p)
     with _lock:
         call = _by_options.get(options)
         if call is None:
@@ -127,9 +143,9 @@ def _define(call: _Attention) -> None:
     from ortpass.training.python_ops import DOMAIN_PREFIX
 
     library, n = _library(), call.number
-    mask = ", Tensor mask" if call.mask_dtype is not None else ""
-    library.define(f"forward_{n}(Tensor q, Tensor k, Tensor v{mask}) -> Tensor")
-    library.define(f"backward_{n}(Tensor dout, Tensor q, Tensor k, Tensor v{mask}) -> (Tensor, Tensor, Tensor)")
+    rest = (", Tensor mask" if call.mask_dtype is not None else "") + (", Tensor seed" if call.dropout_p > 0 else "")
+    library.define(f"forward_{n}(Tensor q, Tensor k, Tensor v{rest}) -> Tensor")
+    library.define(f"backward_{n}(Tensor dout, Tensor q, Tensor k, Tensor v{rest}) -> (Tensor, Tensor, Tensor)")
 
     def fake_forward(q, k, v, *mask):
         return q.new_empty((*q.shape[:-1], v.shape[-1]))
@@ -144,13 +160,17 @@ def _define(call: _Attention) -> None:
     torch.library.register_fake(f"{_NAMESPACE}::backward_{n}", fake_backward, lib=library)
     library.impl(f"forward_{n}", outside, "CompositeExplicitAutograd")
     library.impl(f"backward_{n}", outside, "CompositeExplicitAutograd")
+    if call.dropout_p > 0:
+        library.define(f"seed_{n}(Tensor anchor) -> Tensor")
+        torch.library.register_fake(f"{_NAMESPACE}::seed_{n}", lambda anchor: anchor.new_empty((), dtype=torch.int64), lib=library)
+        library.impl(f"seed_{n}", outside, "CompositeExplicitAutograd")
 
     def setup_context(ctx, inputs, output):
         ctx.save_for_backward(*inputs)
 
     def backward(ctx, dout):
         grads = getattr(torch.ops.ortpass_attention, f"backward_{n}")(dout, *ctx.saved_tensors)
-        return (*grads, None) if call.mask_dtype is not None else grads
+        return (*grads, *[None] * (len(call.input_dtypes) - 3))  # none for the mask and the seed
 
     torch.library.register_autograd(f"{_NAMESPACE}::forward_{n}", backward, setup_context=setup_context, lib=library)
     # A function of its inputs alone: a clone in backward computes the forward's output.
@@ -170,6 +190,11 @@ def translation_table(program: torch.export.ExportedProgram) -> dict[Any, Any]:
             continue
         side, _, number = target._opname.partition("_")
         call = _calls[int(number)]
+        if side == "seed":
+            domain = f"{DOMAIN_PREFIX}attentionseed{number}"
+            _ensure_schema(domain, f"{SEED_PREFIX}{number}", 1, 1)
+            table[target] = _translation(onnxscript.values.Opset(domain, 1), f"{SEED_PREFIX}{number}", 1, True)
+            continue
         forward = side == "forward"
         domain = f"{DOMAIN_PREFIX}attention{'' if forward else 'grad'}{number}"
         op_type = f"{FORWARD_PREFIX if forward else BACKWARD_PREFIX}{number}"
@@ -195,19 +220,22 @@ def type_outputs(model: Any) -> None:
     from ortpass.training.python_ops import _onnx_type
 
     for node in model.graph:
-        if node.op_type.startswith((FORWARD_PREFIX, BACKWARD_PREFIX)) and node.op_type.rpartition("_")[2].isdigit():
+        if node.op_type.startswith((FORWARD_PREFIX, BACKWARD_PREFIX, SEED_PREFIX)) and node.op_type.rpartition("_")[2].isdigit():
             call = _calls.get(int(node.op_type.rpartition("_")[2]))
-            for value in node.outputs if call is not None else ():
-                value.dtype = ir.DataType(_onnx_type(call.dtype))
+            dtype = torch.int64 if node.op_type.startswith(SEED_PREFIX) else call.dtype if call is not None else None
+            for value in node.outputs if dtype is not None else ():
+                value.dtype = ir.DataType(_onnx_type(dtype))
 
 
 def kernel_of(op_type: str) -> tuple[list[torch.dtype], list[torch.dtype], Any] | None:
     """The Python op kernel of an attention op type (for python_op_kernels), or None."""
-    if not op_type.startswith((FORWARD_PREFIX, BACKWARD_PREFIX)):
+    if not op_type.startswith((FORWARD_PREFIX, BACKWARD_PREFIX, SEED_PREFIX)):
         return None
     call = _calls.get(int(op_type.rpartition("_")[2]))
     if call is None:
         return None
+    if op_type.startswith(SEED_PREFIX):
+        return [call.dtype], [torch.int64], _seed_kernel
     if op_type.startswith(FORWARD_PREFIX):
         return call.input_dtypes, [call.dtype], _forward_kernel(call)
     return [call.dtype, *call.input_dtypes], [call.dtype] * 3, _backward_kernel(call)
@@ -217,12 +245,17 @@ def _tensors(arrays) -> list[torch.Tensor]:
     return [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
 
 
+def _seed_kernel(anchor: np.ndarray, **_: Any) -> np.ndarray:
+    """A seed from torch's generator: one draw per call and step (not recomputable)."""
+    return np.array(int(torch.randint(0, 2**62, ())), dtype=np.int64)
+
+
 def _forward_kernel(call: _Attention) -> Any:
-    def forward(q, k, v, *mask, **_: Any) -> np.ndarray:
+    def forward(q, k, v, *rest, **_: Any) -> np.ndarray:
         try:
             with torch.no_grad():
-                q, k, v, *mask = _tensors((q, k, v, *mask))
-                return call.attend(q, k, v, mask[0] if mask else None).numpy()
+                q, k, v, *rest = _tensors((q, k, v, *rest))
+                return call.attend(q, k, v, rest).numpy()
         except BaseException as exc:  # raising here would abort the process
             return _failed(exc, "forward", 1)
 
@@ -230,12 +263,12 @@ def _forward_kernel(call: _Attention) -> Any:
 
 
 def _backward_kernel(call: _Attention) -> Any:
-    def backward(dout, q, k, v, *mask, **_: Any) -> tuple[np.ndarray, ...]:
+    def backward(dout, q, k, v, *rest, **_: Any) -> tuple[np.ndarray, ...]:
         try:
-            dout, q, k, v, *mask = _tensors((dout, q, k, v, *mask))
+            dout, q, k, v, *rest = _tensors((dout, q, k, v, *rest))
             leaves = [t.requires_grad_(True) for t in (q, k, v)]
             with torch.enable_grad():
-                out = call.attend(*leaves, mask[0] if mask else None)
+                out = call.attend(*leaves, rest)
                 grads = torch.autograd.grad(out, leaves, dout)
             return tuple(g.numpy() for g in grads)
         except BaseException as exc:
