@@ -231,3 +231,19 @@ def test_a_python_op_error_is_raised_from_the_step():
     with pytest.raises(OrtpassError, match=r"backward of torch.autograd.Function .*FailsBackward raised ValueError: backward refuses"):
         wrapped(torch.randn(3, 4)).backward()  # a loss step runs forward and backward in one run
     assert kernels.live_contexts() == 0
+
+
+@needs_extensions
+def test_a_cached_graph_from_another_process_is_built_again(tmp_path, monkeypatch):
+    """The ops' numbers are the tracing process's: another process's cached graph could name
+    another call under the same number, so ORTModule builds its graph again."""
+    torch.manual_seed(0)
+    model = Model()
+    x, labels = next(_batches((4,)))
+    first = ORTModule(model, builder="torch", cache_dir=tmp_path)
+    expected = first(x, labels).item()
+    assert first.graph_builds == 1
+    monkeypatch.setattr(python_ops, "PROCESS_TOKEN", "another")  # as a fresh process sees the cache
+    again = ORTModule(model, builder="torch", cache_dir=tmp_path)
+    assert again(x, labels).item() == pytest.approx(expected, rel=1e-6)
+    assert again.graph_builds == 1  # built, not loaded

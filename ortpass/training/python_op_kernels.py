@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from ortpass.errors import OrtpassError
-from ortpass.training.python_ops import DOMAIN_PREFIX, FORWARD_PREFIX, OpaqueCall, is_python_op, is_python_op_type, opaque_call
+from ortpass.training.python_ops import DOMAIN_PREFIX, FORWARD_PREFIX, op_domain, OpaqueCall, is_python_op, is_python_op_type, opaque_call
 
 __all__ = ["live_contexts", "prepare", "take_failure", "uses_python_ops"]
 
@@ -75,7 +75,7 @@ def prepare(proto: Any, options: Any) -> None:
     for node in proto.graph.node:
         if not node.domain.startswith(DOMAIN_PREFIX):
             continue
-        kernel = _kernel_of(node.op_type)
+        kernel = _kernel_of(node.op_type) if node.domain.startswith(op_domain("")) else None
         if kernel is None:
             raise OrtpassError(
                 f"node {node.name!r} runs {node.op_type}, a Python op that ortpass did not trace in this process; a graph "

@@ -9,7 +9,7 @@ takes the output shapes from the PythonOp shape-inference registry
 whichever builder runs), and whose autograd formula calls
 ``ortpass_opaque::backward_<n>(handle, *output grads) -> input grads``.  torch.onnx writes
 both as nodes ``OrtpassForward_<n>`` / ``OrtpassBackward_<n>``, each in a domain of its own
-(``ortpass.python_op.forward<n>``: onnxruntime-extensions keeps the Python ops of one
+(``ortpass.python_op.<process token>.forward<n>``: onnxruntime-extensions keeps the Python ops of one
 domain in a vector that moves when it grows, which crashed sessions opened before), and :mod:`ortpass.training.python_op_kernels` runs them: the
 Function's own forward and backward in eager torch, the ctx between them kept under the
 handle.  The handle is an int64 scalar the forward node outputs and the backward node
@@ -27,6 +27,7 @@ import importlib.util
 import itertools
 import logging
 import threading
+import uuid
 from typing import Any
 
 import onnx_ir as ir
@@ -36,11 +37,25 @@ import torch.utils._pytree as pytree
 from ortpass.conventions import MS_DOMAIN
 from ortpass.errors import TrainingGraphError
 
-__all__ = ["DOMAIN_PREFIX", "OpaqueCall", "is_python_op", "extensions_available", "opaque_apply", "translation_table", "type_outputs"]
+__all__ = ["DOMAIN_PREFIX", "OpaqueCall", "is_python_op", "op_domain", "runs_here", "extensions_available", "opaque_apply", "translation_table", "type_outputs"]
 
 logger = logging.getLogger(__name__)
 
-DOMAIN_PREFIX = "ortpass.python_op."  # + forward<n> / backward<n>: one op per domain
+DOMAIN_PREFIX = "ortpass.python_op."  # + <process token>.forward<n> / ...: one op per domain
+# The numbers <n> are this process's: a graph saved by another process (ORTModule's cache)
+# names other calls under the same numbers, and must not run them.
+PROCESS_TOKEN = uuid.uuid4().hex[:12]
+
+
+def op_domain(kind: str) -> str:
+    """The domain of one Python op of this process (``kind``: ``forward3``, ``attention0``...)."""
+    return f"{DOMAIN_PREFIX}{PROCESS_TOKEN}.{kind}"
+
+
+def runs_here(model: ir.Model) -> bool:
+    """Whether every Python op of ``model`` was traced in this process (a graph loaded from
+    another one's cache is built again instead)."""
+    return all(not n.domain.startswith(DOMAIN_PREFIX) or n.domain.startswith(op_domain("")) for n in model.graph)
 FORWARD_PREFIX, BACKWARD_PREFIX = "OrtpassForward_", "OrtpassBackward_"
 _NAMESPACE = "ortpass_opaque"
 _TENSOR = object()  # a template's placeholder for a tensor the op carries
@@ -246,7 +261,7 @@ def translation_table(program: torch.export.ExportedProgram) -> dict[Any, Any]:
             continue
         side, _, number = target._opname.partition("_")
         call = _opaque[int(number)]
-        table[target] = _translation(onnxscript.values.Opset(f"{DOMAIN_PREFIX}{side}{number}", 1), side, call)
+        table[target] = _translation(onnxscript.values.Opset(op_domain(f"{side}{number}"), 1), side, call)
     return table
 
 

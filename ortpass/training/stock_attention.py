@@ -140,7 +140,7 @@ def _call_for(is_causal: bool, scale: float | None, enable_gqa: bool, dtype: tor
 
 def _define(call: _Attention) -> None:
     from ortpass.analysis.recomputable_ops import register_recomputable_op
-    from ortpass.training.python_ops import DOMAIN_PREFIX
+    from ortpass.training.python_ops import op_domain
 
     library, n = _library(), call.number
     rest = (", Tensor mask" if call.mask_dtype is not None else "") + (", Tensor seed" if call.dropout_p > 0 else "")
@@ -174,14 +174,14 @@ def _define(call: _Attention) -> None:
 
     torch.library.register_autograd(f"{_NAMESPACE}::forward_{n}", backward, setup_context=setup_context, lib=library)
     # A function of its inputs alone: a clone in backward computes the forward's output.
-    register_recomputable_op(f"{FORWARD_PREFIX}{n}", (1,), domain=f"{DOMAIN_PREFIX}attention{n}")
+    register_recomputable_op(f"{FORWARD_PREFIX}{n}", (1,), domain=op_domain(f"attention{n}"))
 
 
 def translation_table(program: torch.export.ExportedProgram) -> dict[Any, Any]:
     """torch.onnx translations of the attention ops ``program`` holds: one node each."""
     import onnxscript
 
-    from ortpass.training.python_ops import DOMAIN_PREFIX, _ensure_schema
+    from ortpass.training.python_ops import _ensure_schema, op_domain
 
     table: dict[Any, Any] = {}
     for node in program.graph.nodes:
@@ -191,12 +191,12 @@ def translation_table(program: torch.export.ExportedProgram) -> dict[Any, Any]:
         side, _, number = target._opname.partition("_")
         call = _calls[int(number)]
         if side == "seed":
-            domain = f"{DOMAIN_PREFIX}attentionseed{number}"
+            domain = op_domain(f"attentionseed{number}")
             _ensure_schema(domain, f"{SEED_PREFIX}{number}", 1, 1)
             table[target] = _translation(onnxscript.values.Opset(domain, 1), f"{SEED_PREFIX}{number}", 1, True)
             continue
         forward = side == "forward"
-        domain = f"{DOMAIN_PREFIX}attention{'' if forward else 'grad'}{number}"
+        domain = op_domain(f"attention{'' if forward else 'grad'}{number}")
         op_type = f"{FORWARD_PREFIX if forward else BACKWARD_PREFIX}{number}"
         n_inputs = len(call.input_dtypes) + (0 if forward else 1)
         _ensure_schema(domain, op_type, n_inputs, 1 if forward else 3)

@@ -22,6 +22,7 @@ import torch.utils._pytree as pytree
 
 from ortpass.errors import OrtpassError, StaticDimsRequired
 from ortpass.runtime.module.cache import cache_key_material, load_cached, store_cached
+from ortpass.training.python_ops import runs_here
 from ortpass.runtime.module.dims import PinnedDims, graph_signature, prove_dynamic_dims
 from ortpass.runtime.module.flat import INNER, FlatCall, checkpointing_disabled
 from ortpass.runtime.module.state import (
@@ -168,7 +169,7 @@ class GraphBuilding:
                     tuple((tuple(dim), size) for dim, size in meta["pinned"]),
                     tuple(tuple(dim) for dim in meta.get("at_least_two", ())),
                 )
-                if pinned.accepts(tensors):
+                if pinned.accepts(tensors) and runs_here(model):  # Python ops traced by another process: build again
                     return self._graph_from(model, meta), "load", pinned
         static = self._static.setdefault(schema, set())
         while True:
