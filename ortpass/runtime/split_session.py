@@ -21,6 +21,7 @@ from ortpass.analysis.partition import get_training_info
 from ortpass.errors import OrtpassError
 from ortpass.runtime.row_adds import ortvalue_tensor, rows_added_after_proto
 from ortpass.runtime.session import open_session, run_with_ort_values as _run, training_model
+from ortpass.training.backward_head import cut_backward_head
 from ortpass.training.split import declare_types, split_training_graph
 
 __all__ = ["SplitTrainingSession"]
@@ -66,7 +67,16 @@ class SplitTrainingSession:
         self._forward, self.providers = open_session(graphs.forward, model, providers, **options)
         declare_types(graphs.backward.graph, {o.name: _elem_type(o.type) for o in self._forward.get_outputs()})
         backward, self._rows = rows_added_after_proto(graphs.backward)
+        halves = cut_backward_head(backward, self.seeds.values())
+        self._head, self.cut, self._head_fetch = None, [], []
+        if halves is not None:
+            self._head, _ = open_session(halves.head, model, providers, **options)
+            self.cut, self._head_fetch = halves.cut, [o.name for o in halves.head.graph.output]
+            self._head_inputs = [i.name for i in halves.head.graph.input]
+            backward = halves.body
         self._backward, _ = open_session(backward, model, providers, **options)
+        self._body_inputs = [i.name for i in backward.graph.input]
+        self._body_fetch = {o.name for o in backward.graph.output}
 
     def run_forward(self, feeds: Mapping[str, Any]) -> tuple[list[Any], list[Any]]:
         """Run forward on C-level OrtValues (``feeds`` holds at least every input forward
@@ -75,17 +85,33 @@ class SplitTrainingSession:
         values = dict(zip(fetch, _run(self._forward, {name: feeds[name] for name in self.forward_inputs}, fetch)))
         return [values[name] for name in self.outputs], [values[name] for name in self.stashed]
 
-    def run_backward(self, feeds: Mapping[str, Any], stashed: Sequence[Any], seeds: Mapping[str, Any]) -> list[Any]:
-        """Run backward: ``feeds`` as given to forward, ``stashed`` as forward returned them,
+    def run_backward(self, feeds: Mapping[str, Any], stash: Sequence[Any], seeds: Mapping[str, Any]) -> list[Any]:
+        """Run backward: ``feeds`` as given to forward, ``stash`` as forward returned them,
         ``seeds`` the gradient of each output in :attr:`seeds`; returns the gradients."""
+        return self.run_backward_body(feeds, stash, self.run_backward_head(feeds, stash, seeds))
+
+    def run_backward_head(self, feeds: Mapping[str, Any], stash: Sequence[Any], seeds: Mapping[str, Any]) -> dict:
+        """The first part of backward, the nodes that read the outputs' gradients
+        (:mod:`ortpass.training.backward_head`); returns what :meth:`run_backward_body`
+        takes.  Once it returned, the caller may drop ``seeds``: the body does not read them."""
         missing = sorted(set(self.seeds) - set(seeds))
         if missing:
             raise OrtpassError(f"backward needs the gradient of outputs {missing}")
-        run_feeds = {name: feeds[name] for name in self.backward_inputs}
-        run_feeds.update(zip(self.stashed, stashed))
-        run_feeds.update((self.seeds[output], value) for output, value in seeds.items())
-        values = _run(self._backward, run_feeds, self._rows.fetch(self.gradients))
-        return self._rows.finish(self.gradients, values, ortvalue_tensor)
+        fed = {self.seeds[output]: value for output, value in seeds.items()}
+        if self._head is None:
+            return fed
+        available = {**feeds, **dict(zip(self.stashed, stash)), **fed}
+        values = _run(self._head, {name: available[name] for name in self._head_inputs}, self._head_fetch)
+        return dict(zip(self._head_fetch, values))
+
+    def run_backward_body(self, feeds: Mapping[str, Any], stash: Sequence[Any], head: Mapping[str, Any]) -> list[Any]:
+        """The rest of backward, from :meth:`run_backward_head`'s values; returns the gradients."""
+        available = {**feeds, **dict(zip(self.stashed, stash)), **head}
+        run_feeds = {name: available[name] for name in self._body_inputs}
+        fetch = self._rows.fetch(self.gradients)
+        body_fetch = [name for name in fetch if name in self._body_fetch]
+        by_name = {**head, **dict(zip(body_fetch, _run(self._backward, run_feeds, body_fetch)))}
+        return self._rows.finish(self.gradients, [by_name[name] for name in fetch], ortvalue_tensor)
 
     def run(self, batch: Mapping[str, Any], seeds: Mapping[str, Any] = {}) -> tuple[dict, dict]:
         """Forward then backward on numpy values (for tests and parity checks): the outputs

@@ -26,6 +26,11 @@ training_mode)`` reading the forward Dropout's mask, kept from forward to backwa
 byte per element): the same product ``x * mask / (1 - ratio)`` the Dropout kernel
 computes, and no generator shared between the graphs.
 
+Then each kept mask is packed to bits at the end of its forward and unpacked just before
+its backward reader (:mod:`ortpass.training.packed_masks`): an eighth of the bytes; and a
+weight's transpose is transposed again in backward instead of kept
+(:mod:`ortpass.training.rederived_stash`).
+
 And one cost: ORT frees a stashed value inside one graph once its last reader ran; fed to
 the backward graph from outside, it stays alive until the backward run ends.
 """
@@ -44,6 +49,8 @@ from ortpass.analysis.partition import get_training_info, is_backward, tag
 from ortpass.conventions import MS_DOMAIN, SIDE_KEY, is_onnx_domain
 from ortpass.errors import TrainingGraphError
 from ortpass.ops.dropout import is_dropout
+from ortpass.training.packed_masks import pack_kept_masks
+from ortpass.training.rederived_stash import rederive_layout_of_inputs
 
 __all__ = ["MASK_PRODUCT_INFIX", "SplitGraphs", "as_run", "declare_types", "finished_as_run", "masks_read_where_redraws_differ", "read_forward_masks", "split_training_graph"]
 
@@ -66,6 +73,8 @@ def split_training_graph(model: ir.Model) -> SplitGraphs:
     info = get_training_info(model)
     model = model.clone()
     read_forward_masks(model)
+    pack_kept_masks(model)
+    rederive_layout_of_inputs(model)
     value_infos = {v.name: v for v in _named_values(model)}
     proto = ir.to_proto(model)
     graph = proto.graph

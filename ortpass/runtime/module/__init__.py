@@ -52,7 +52,7 @@ from ortpass.runtime.module.budget import BudgetFit
 from ortpass.runtime.module.distributed import check_sharding
 from ortpass.runtime.module.facade import ModelFacade, model_signature
 from ortpass.runtime.module.graphs import BuiltGraph, GraphBuilding
-from ortpass.runtime.module.steps import LossRun, LossStep, SplitRun, SplitStep, to_ortvalue, to_torch
+from ortpass.runtime.module.steps import LossRun, LossStep, SplitHead, SplitRun, SplitStep, to_ortvalue, to_torch
 from ortpass.runtime.module.transitions import (
     GraphTransitionManager,
     InputSchema,
@@ -269,7 +269,8 @@ class ORTModule(ModelFacade, GraphBuilding, torch.nn.Module):
         if graph.kind == "loss":
             outputs = LossStep.apply(LossRun(self, graph, feeds), names, *differentiable)
         else:
-            outputs = SplitStep.apply(SplitRun(self, graph, feeds), names, *differentiable)
+            run = SplitRun(self, graph, feeds)
+            outputs = SplitHead.apply(run, SplitStep.apply(run, names, *differentiable))
         return self._unflatten(graph, outputs)
 
     def _update_batch_norms(self, graph: BuiltGraph, statistics: list[torch.Tensor]) -> None:

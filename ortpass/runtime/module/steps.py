@@ -33,7 +33,7 @@ from ortpass.runtime.module.flat import INNER
 if TYPE_CHECKING:
     from ortpass.runtime.module.graphs import BuiltGraph
 
-__all__ = ["LossRun", "LossStep", "SplitRun", "SplitStep", "check_unchanged", "to_ortvalue", "to_torch"]
+__all__ = ["LossRun", "LossStep", "SplitHead", "SplitRun", "SplitStep", "check_unchanged", "to_ortvalue", "to_torch"]
 
 
 def check_unchanged(tensors: Sequence[torch.Tensor], versions: Sequence[int], names: Sequence[str]) -> None:
@@ -78,13 +78,42 @@ class LossStep(torch.autograd.Function):
 
 
 class SplitStep(torch.autograd.Function):
-    """Forward runs the graph's forward half; backward runs its backward half."""
+    """Forward runs the graph's forward half; backward runs the body of its backward half.
+
+    It returns a *carrier* (an empty tensor) that only :class:`SplitHead` reads: the outputs
+    come from that second node, so their gradients reach the head of backward, which runs
+    first and hands this node the gradients of the hidden values.  torch frees the outputs'
+    gradients (a language model's logits gradient) once the head returned, instead of
+    holding them while every layer's backward runs (:mod:`ortpass.training.backward_head`)."""
 
     @staticmethod
     def forward(ctx, run: Any, names, *inputs):
-        outputs, ctx.stash = run.forward()
+        run.outputs, ctx.stash = run.forward()
         ctx.run, ctx.names = run, names
         ctx.inputs, ctx.versions = inputs, [t._version for t in inputs]
+        ctx.set_materialize_grads(False)
+        return torch.empty(0)
+
+    @staticmethod
+    def backward(ctx, _carrier):
+        stash, ctx.stash = ctx.stash, None
+        if stash is None:
+            raise RuntimeError("ORTModule: backward through the same step twice; its activations were freed")
+        head, ctx.run.head = ctx.run.head, None
+        if head is None:  # no output got a gradient
+            return (None, None, *(None for _ in ctx.inputs))
+        check_unchanged(ctx.inputs, ctx.versions, ctx.names)
+        return (None, None, *ctx.run.backward_body(stash, head))
+
+
+class SplitHead(torch.autograd.Function):
+    """The outputs of a :class:`SplitStep`; backward runs the head of the backward half."""
+
+    @staticmethod
+    def forward(ctx, run: Any, carrier: torch.Tensor):
+        outputs, run.head = run.outputs, None
+        run.outputs = None
+        ctx.run = run
         ctx.shapes = [(o.shape, o.dtype, o.device) for o in outputs]
         ctx.set_materialize_grads(False)
         differentiated = set(run.differentiated)
@@ -93,18 +122,18 @@ class SplitStep(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grad_outputs):
-        stash, ctx.stash = ctx.stash, None
-        if stash is None:
-            raise RuntimeError("ORTModule: backward through the same step twice; its activations were freed")
-        check_unchanged(ctx.inputs, ctx.versions, ctx.names)
-        grads = [grad_outputs[i] for i in ctx.run.differentiated]
+        run = ctx.run
+        grads = [grad_outputs[i] for i in run.differentiated]
         if all(g is None for g in grads):
-            return (None, None, *(None for _ in ctx.inputs))
+            return None, None
+        if run.stash_freed():
+            raise RuntimeError("ORTModule: backward through the same step twice; its activations were freed")
         seeds = [
             g if g is not None else torch.zeros(ctx.shapes[i][0], dtype=ctx.shapes[i][1], device=ctx.shapes[i][2])
-            for g, i in zip(grads, ctx.run.differentiated)
+            for g, i in zip(grads, run.differentiated)
         ]
-        return (None, None, *ctx.run.backward(stash, seeds))
+        run.head = run.backward_head(seeds)
+        return None, torch.empty(0)
 
 
 # -- the ORT work each step does ----------------------------------------------------------------
@@ -162,20 +191,31 @@ class SplitRun:
     def __init__(self, module: Any, graph: BuiltGraph, feeds: dict) -> None:
         self.module, self.graph, self.feeds = module, graph, feeds
         self.differentiated = graph.differentiated
+        self.outputs = None  # forward's outputs, from SplitStep to SplitHead
+        self.head = None  # the head of backward's values, from SplitHead to SplitStep
+        self._stash: list | None = None
 
     def forward(self):
         session = self.graph.session
-        outputs, stash = session.run_forward(self.feeds)
+        outputs, self._stash = session.run_forward(self.feeds)
         by_name = dict(zip(session.outputs, (to_torch(v) for v in outputs)))
         self.module._update_batch_norms(
             self.graph, [by_name[n] for bn in self.graph.batch_norms for n in bn.outputs()]
         )
-        return [by_name[name] for name in self.graph.outputs], stash
+        return [by_name[name] for name in self.graph.outputs], self._stash
 
-    def backward(self, stash, seeds: list[torch.Tensor]) -> list[torch.Tensor]:
-        session = self.graph.session
+    def stash_freed(self) -> bool:
+        return self._stash is None
+
+    def backward_head(self, seeds: list[torch.Tensor]) -> dict:
         names = [self.graph.outputs[i] for i in self.differentiated]
-        gradients = session.run_backward(self._feeds_now(), stash, dict(zip(names, map(to_ortvalue, seeds))))
+        feeds = self._feeds_now()
+        return self.graph.session.run_backward_head(feeds, self._stash, dict(zip(names, map(to_ortvalue, seeds))))
+
+    def backward_body(self, stash, head: dict) -> list[torch.Tensor]:
+        session = self.graph.session
+        self._stash = None
+        gradients = session.run_backward_body(self._feeds_now(), stash, head)
         by_name = dict(zip(session.gradients, (to_torch(g) for g in gradients)))
         return [by_name[name] for name in self._gradient_names()]
 
