@@ -161,6 +161,31 @@ def child_torch(work: Path, family: str, layers: int, vocab: int, steps: int) ->
     return result
 
 
+def child_pair(work: Path, keys: list[str], steps: int) -> dict:
+    """The step times of two graphs run alternately in one process (the user's settings):
+    their ratio drifts less with the machine's load than two processes' times do."""
+    import time
+
+    import numpy as np
+
+    C, InferenceSession = rm._load_ort()
+    feeds = dict(np.load(work / "batch.npz"))
+    sessions = {}
+    for key in keys:
+        path = work / f"{key}.onnx"
+        sessions[key] = InferenceSession(str(path), rm._ort_training_options(C), providers=["CPUExecutionProvider"],
+                                         disabled_optimizers=rm._disabled(path))  # fmt: skip
+    times: dict[str, list[float]] = {key: [] for key in keys}
+    for step in range(steps + 1):  # the first round warms up
+        for key, session in sessions.items():
+            fetch = [o.name for o in session.get_outputs()]
+            start = time.perf_counter()
+            session.run(fetch, feeds)
+            if step:
+                times[key].append(time.perf_counter() - start)
+    return {key: min(t) for key, t in times.items()}
+
+
 def run(families: list[str], steps: int, layers: int, vocab: int) -> dict:
     import onnxruntime
 
@@ -187,7 +212,12 @@ def run(families: list[str], steps: int, layers: int, vocab: int) -> dict:
                 rows[key] = measured
                 print(f"    step peak {measured['step_peak_mib']:.0f} MiB, step {measured['step_seconds']:.2f} s, "
                       f"loss {measured['loss']:.4f}", flush=True)  # fmt: skip
-            results["models"][family] = {"label_density": info["density"], "rows": rows}
+            pairs = {}
+            for passes in ("pipeline", "alone"):
+                keys = [f"gather_{passes}", f"plain_{passes}"]
+                pairs[passes] = rm._run_child("pair", str(work), *keys, str(steps), script=__file__, timing=True)
+                print(f"  {passes}, alternating: " + ", ".join(f"{k} {t:.2f} s" for k, t in pairs[passes].items()), flush=True)
+            results["models"][family] = {"label_density": info["density"], "rows": rows, "alternating": pairs}
     return results
 
 
@@ -216,12 +246,17 @@ def markdown(results: dict) -> str:
             )
         for with_passes in ("pipeline", "alone"):
             gathered, plain = rows.get(f"gather_{with_passes}"), rows.get(f"plain_{with_passes}")
+            pair = model.get("alternating", {}).get(with_passes)
             if gathered and plain:
-                lines.append(
+                text = (
                     f"\n{with_passes}: the gather's peak {gathered['step_peak_mib']:.0f} against "
                     f"{plain['step_peak_mib']:.0f} MiB ({gathered['step_peak_mib'] / max(plain['step_peak_mib'], 1e-9):.2f}x), "
-                    f"step {gathered['step_seconds'] / plain['step_seconds']:.2f}x the time."
+                    f"step {gathered['step_seconds'] / plain['step_seconds']:.2f}x the time"
                 )
+                if pair:
+                    g, p = pair[f"gather_{with_passes}"], pair[f"plain_{with_passes}"]
+                    text += f"; run alternately in one process {g:.2f} against {p:.2f} s ({g / p:.2f}x)"
+                lines.append(text + ".")
         lines.append("")
     return "\n".join(lines)
 
@@ -232,6 +267,8 @@ def main(argv: list[str] | None = None) -> None:
         kind, rest = argv[1], argv[2:]
         if kind == "prepare":
             out = child_prepare(Path(rest[0]), rest[1], int(rest[2]), int(rest[3]))
+        elif kind == "pair":
+            out = child_pair(Path(rest[0]), rest[1:3], int(rest[3]))
         elif kind == "torch":
             out = child_torch(Path(rest[0]), rest[1], int(rest[2]), int(rest[3]), int(rest[4]))
         else:
