@@ -16,6 +16,10 @@ density as typed attributes (``input_int_scalars``, ``input_float_scalars``).
 
 Only the export batch is measured: a model whose later batches are denser still gets the
 gather, which costs one NonZero and two gathers over the labels' rows.
+
+The torch builder has no PythonOp and no pre-grad pass: its label gather
+(:mod:`ortpass.training.label_gather`) measures with :func:`measure_labels` under the same
+replacement of the builtin (:func:`cross_entropy_replaced`) and gathers while tracing.
 """
 
 from __future__ import annotations
