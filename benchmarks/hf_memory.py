@@ -53,6 +53,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -326,6 +327,11 @@ def markdown(results: dict) -> str:
         f"{results['load_average_before'][0]:.1f} / {results['load_average_after'][0]:.1f}.",
         "",
     ]
+    for update in results.get("updates", []):
+        lines += [f"Rows {', '.join(update['rows'])} measured again on {update['date']} in a run of their own "
+                  f"({update['timing_rounds']} timing rounds; load average before/after "
+                  f"{update['load_average_before'][0]:.1f} / {update['load_average_after'][0]:.1f}): compare their "
+                  "times with each other.", ""]
     families = list(results["families"])
     lines.append("| configuration | " + " | ".join(f"{f}: peak MiB / step s" for f in families) + " |")
     lines.append("|---|" + "---:|" * len(families))
@@ -407,15 +413,34 @@ def main(argv: list[str] | None = None) -> None:
                         "(default: the README's .venv-stock; rows skipped when it does not exist)")
     parser.add_argument("--only", nargs="+", choices=[key for key, _, _ in CONFIGS],
                         help="run these configurations only; prints them and records nothing")
+    parser.add_argument("--update-record", action="store_true",
+                        help="with --only: put these rows into the existing record, each marked with its run")
     args = parser.parse_args(argv)
     stock_python = args.stock_python if Path(args.stock_python).exists() else None
     results = run(args.models, args.seq, args.steps, args.only, stock_python, args.rounds)
-    if args.only:
-        return
     stem = "hf_memory" if args.seq == 512 else f"hf_memory_seq{args.seq}"
     if args.models != ["gpt2", "llama"]:  # a subset keeps the full run's record
         stem += "_" + "_".join(args.models)
+    if args.only and args.update_record:
+        results = _merged_into_record(RESULTS / f"{stem}.json", results, args.only)
+    elif args.only:
+        return
     rm.record(RESULTS / stem, results, markdown(results))
+
+
+def _merged_into_record(path: Path, update: dict, keys: list[str]) -> dict:
+    """The record at ``path`` with ``keys``' rows of ``update`` in place of its own; the
+    update's date and load are kept in ``updates`` and printed under the table."""
+    record = json.loads(path.read_text())
+    if record["model"] != update["model"]:
+        raise SystemExit(f"{path} was measured on another model ({record['model']}); run every row instead")
+    for family, entry in update["families"].items():
+        record["families"][family]["configs"].update({k: v for k, v in entry["configs"].items() if k in keys})
+    record.setdefault("updates", []).append({
+        "rows": keys, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "timing_rounds": update["timing_rounds"],
+        "load_average_before": update["load_average_before"], "load_average_after": update["load_average_after"],
+    })  # fmt: skip
+    return record
 
 
 if __name__ == "__main__":
