@@ -148,17 +148,7 @@ def child_torch(work: Path, family: str, layers: int, vocab: int, steps: int) ->
     model.load_state_dict(torch.load(work / "weights.pt"))
     model.train()
     batch = {k: torch.from_numpy(v) for k, v in np.load(work / "batch.npz").items()}
-    losses = []
-
-    def step():
-        model.zero_grad(set_to_none=True)
-        loss = model(**batch).loss
-        loss.backward()
-        losses.append(float(loss))
-
-    result = rm._measure(step, steps)
-    result["loss"] = losses[0]
-    return result
+    return rm.measure_loss_steps(model, batch, steps)
 
 
 def child_pair(work: Path, keys: list[str], steps: int) -> dict:

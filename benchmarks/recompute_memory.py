@@ -141,6 +141,23 @@ def _measure(step, steps: int) -> dict:
     }
 
 
+def measure_loss_steps(model, batch: dict, steps: int) -> dict:
+    """:func:`_measure` of torch steps that set the gradients to None (the step allocates
+    them, as ORT's does), compute ``model(**batch).loss`` and its backward; the first
+    step's loss recorded as ``loss``."""
+    losses: list[float] = []
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        loss = model(**batch).loss
+        loss.backward()
+        losses.append(float(loss))
+
+    result = _measure(step, steps)
+    result["loss"] = losses[0]
+    return result
+
+
 # -- children -------------------------------------------------------------------------------------
 
 

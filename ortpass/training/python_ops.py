@@ -37,7 +37,7 @@ import torch.utils._pytree as pytree
 from ortpass.conventions import MS_DOMAIN
 from ortpass.errors import TrainingGraphError
 
-__all__ = ["DOMAIN_PREFIX", "OpaqueCall", "is_python_op", "op_domain", "runs_here", "extensions_available", "opaque_apply", "translation_table", "type_outputs"]
+__all__ = ["DOMAIN_PREFIX", "OpaqueCall", "is_python_op", "op_domain", "runs_here", "extensions_available", "opaque_apply", "register_ort_only_pair", "translation_table", "type_outputs"]
 
 logger = logging.getLogger(__name__)
 
@@ -202,6 +202,21 @@ def _torch_type(onnx_type: Any) -> torch.dtype:
     return next(d for d, t in _TORCH_TO_ONNX_DTYPE.items() if t == wanted)
 
 
+def register_ort_only_pair(library: torch.library.Library, n: int, fake_forward: Any, fake_backward: Any, what: str) -> None:
+    """Register ``forward_<n>`` and ``backward_<n>`` of ``library``: the fake kernels torch
+    traces with, and a real kernel that refuses (these ops run only inside ONNX Runtime, as
+    Python ops; torch only traces them)."""
+    namespace = library.ns
+
+    def kernel_outside_the_graph(*_: Any) -> Any:
+        raise TrainingGraphError(f"{namespace}::forward_{n} ({what}) runs only inside ONNX Runtime")
+
+    torch.library.register_fake(f"{namespace}::forward_{n}", fake_forward, lib=library)
+    torch.library.register_fake(f"{namespace}::backward_{n}", fake_backward, lib=library)
+    library.impl(f"forward_{n}", kernel_outside_the_graph, "CompositeExplicitAutograd")
+    library.impl(f"backward_{n}", kernel_outside_the_graph, "CompositeExplicitAutograd")
+
+
 def _define(call: OpaqueCall, n_outputs: int) -> None:
     """The forward and backward ops of one call, their fake kernels and autograd."""
     library, n = _library(), call.number
@@ -222,13 +237,7 @@ def _define(call: OpaqueCall, n_outputs: int) -> None:
         grads = tuple(handle.new_empty(s, dtype=call.input_dtypes[k]) for s, k in zip(sizes, call.differentiable))
         return grads if len(grads) != 1 else grads[0]
 
-    def kernel_outside_the_graph(*_: Any) -> Any:
-        raise TrainingGraphError(f"{_NAMESPACE}::forward_{n} ({call.func_name}) runs only inside ONNX Runtime")
-
-    torch.library.register_fake(f"{_NAMESPACE}::forward_{n}", fake_forward, lib=library)
-    torch.library.register_fake(f"{_NAMESPACE}::backward_{n}", fake_backward, lib=library)
-    library.impl(f"forward_{n}", kernel_outside_the_graph, "CompositeExplicitAutograd")
-    library.impl(f"backward_{n}", kernel_outside_the_graph, "CompositeExplicitAutograd")
+    register_ort_only_pair(library, n, fake_forward, fake_backward, call.func_name)
 
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
         ctx.save_for_backward(output[0])

@@ -39,6 +39,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ortpass.training.python_ops import register_ort_only_pair
+
 __all__ = ["BACKWARD_PREFIX", "FORWARD_PREFIX", "fused_calls", "fusing", "replacement"]
 
 logger = logging.getLogger(__name__)
@@ -138,6 +140,10 @@ def _call_for(is_causal: bool, scale: float | None, enable_gqa: bool, dtype: tor
     return call
 
 
+def _runs_only_in_ort(*_: Any) -> Any:
+    raise RuntimeError(f"{_NAMESPACE}::seed_* runs only inside ONNX Runtime")
+
+
 def _define(call: _Attention) -> None:
     from ortpass.analysis.recomputable_ops import register_recomputable_op
     from ortpass.training.python_ops import op_domain
@@ -153,17 +159,11 @@ def _define(call: _Attention) -> None:
     def fake_backward(dout, q, k, v, *mask):
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
-    def outside(*_: Any) -> Any:
-        raise RuntimeError(f"{_NAMESPACE}::forward_{n} runs only inside ONNX Runtime")
-
-    torch.library.register_fake(f"{_NAMESPACE}::forward_{n}", fake_forward, lib=library)
-    torch.library.register_fake(f"{_NAMESPACE}::backward_{n}", fake_backward, lib=library)
-    library.impl(f"forward_{n}", outside, "CompositeExplicitAutograd")
-    library.impl(f"backward_{n}", outside, "CompositeExplicitAutograd")
+    register_ort_only_pair(library, n, fake_forward, fake_backward, "attention")
     if call.dropout_p > 0:
         library.define(f"seed_{n}(Tensor anchor) -> Tensor")
         torch.library.register_fake(f"{_NAMESPACE}::seed_{n}", lambda anchor: anchor.new_empty((), dtype=torch.int64), lib=library)
-        library.impl(f"seed_{n}", outside, "CompositeExplicitAutograd")
+        library.impl(f"seed_{n}", _runs_only_in_ort, "CompositeExplicitAutograd")
 
     def setup_context(ctx, inputs, output):
         ctx.save_for_backward(*inputs)
