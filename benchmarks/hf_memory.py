@@ -364,18 +364,18 @@ def _goal(family: str, configs: dict) -> list[str]:
     level 1, step time at most 1.2x torch + checkpointing's."""
     cpp = configs["ort_cpp_l1"]
     lines = []
-    for key in ("ortpass", "ortpass_fused", "torch_builder", "torch_builder_stock", "wrapper_stock", "wrapper_split",
-                "wrapper_split_stock"):
-        if key not in configs:
-            continue
+    ours_keys = ("ortpass", "ortpass_fused", "torch_builder", "torch_builder_stock", "wrapper_stock", "wrapper_split",
+                 "wrapper_split_stock")
+    for key in [k for base in ours_keys for k in configs if k.split("@")[0] == base]:
         ours = configs[key]
         run = ours.get("run", 0)  # torch + checkpointing measured in the same run
         ckpt = next(c for k, c in configs.items() if k.split("@")[0] == "torch_ckpt" and c.get("run", 0) == run)
         peak_ok = ours["step_peak_mib"] <= ckpt["step_peak_mib"] and ours["step_peak_mib"] < cpp["step_peak_mib"]
         ratio = ours["step_seconds"] / ckpt["step_seconds"]
         verdict = "met" if peak_ok and ratio <= 1.2 else "not met"
+        run_text = f" (run {ours['run']})" if ours.get("run") else ""
         lines.append(
-            f"{family}, {ours['label']}: goal {verdict} (peak {ours['step_peak_mib']:.0f} MiB vs torch+checkpointing "
+            f"{family}, {ours['label']}{run_text}: goal {verdict} (peak {ours['step_peak_mib']:.0f} MiB vs torch+checkpointing "
             f"{ckpt['step_peak_mib']:.0f} and ORT C++ L1 {cpp['step_peak_mib']:.0f}; step time {ratio:.2f}x "
             "torch+checkpointing's)."
         )
