@@ -61,18 +61,16 @@ class SplitTrainingSession:
             if name in initializers and initializers[name].const_value is not None
         }
         self.forward_inputs = [i.name for i in graphs.forward.graph.input]
-        own = {*self.stashed, *self.seeds.values()}
-        self.backward_inputs = [i.name for i in graphs.backward.graph.input if i.name not in own]
         options = dict(threads=threads, session_options=session_options)
         self._forward, self.providers = open_session(graphs.forward, model, providers, **options)
         declare_types(graphs.backward.graph, {o.name: _elem_type(o.type) for o in self._forward.get_outputs()})
         backward, self._rows = rows_added_after_proto(graphs.backward)
         halves = cut_backward_head(backward, self.seeds.values())
-        self._head, self.cut, self._head_fetch = None, [], []
+        self._head, self._head_inputs, self._head_fetch = None, [], []
         if halves is not None:
             self._head, _ = open_session(halves.head, model, providers, **options)
-            self.cut, self._head_fetch = halves.cut, [o.name for o in halves.head.graph.output]
             self._head_inputs = [i.name for i in halves.head.graph.input]
+            self._head_fetch = [o.name for o in halves.head.graph.output]
             backward = halves.body
         self._backward, _ = open_session(backward, model, providers, **options)
         self._body_inputs = [i.name for i in backward.graph.input]

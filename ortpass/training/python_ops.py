@@ -37,7 +37,7 @@ import torch.utils._pytree as pytree
 from ortpass.conventions import MS_DOMAIN
 from ortpass.errors import TrainingGraphError
 
-__all__ = ["DOMAIN_PREFIX", "OpaqueCall", "is_python_op", "op_domain", "runs_here", "extensions_available", "opaque_apply", "register_ort_only_pair", "translation_table", "type_outputs"]
+__all__ = ["DOMAIN_PREFIX", "OpaqueCall", "is_python_op", "op_domain", "runs_here", "extensions_available", "opaque_apply", "ops_in", "register_ort_only_pair", "translation_table", "type_outputs"]
 
 logger = logging.getLogger(__name__)
 
@@ -264,14 +264,22 @@ def translation_table(program: torch.export.ExportedProgram) -> dict[Any, Any]:
     import onnxscript
 
     table: dict[Any, Any] = {}
-    for node in program.graph.nodes:
-        target = node.target
-        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or target.namespace != _NAMESPACE:
-            continue
-        side, _, number = target._opname.partition("_")
-        call = _opaque[int(number)]
+    for target, side, number in ops_in(program, _NAMESPACE):
+        call = _opaque[number]
         table[target] = _translation(onnxscript.values.Opset(op_domain(f"{side}{number}"), 1), side, call)
     return table
+
+
+def ops_in(program: torch.export.ExportedProgram, namespace: str) -> list[tuple[Any, str, int]]:
+    """(op, side, number) of each call in ``program`` to an op ``<side>_<number>`` of
+    ``namespace`` (the ops :func:`register_ort_only_pair` registers)."""
+    found = []
+    for node in program.graph.nodes:
+        target = node.target
+        if node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and target.namespace == namespace:
+            side, _, number = target._opname.partition("_")
+            found.append((target, side, int(number)))
+    return found
 
 
 def _translation(contrib: Any, side: str, call: OpaqueCall) -> Any:

@@ -181,15 +181,11 @@ def translation_table(program: torch.export.ExportedProgram) -> dict[Any, Any]:
     """torch.onnx translations of the attention ops ``program`` holds: one node each."""
     import onnxscript
 
-    from ortpass.training.python_ops import _ensure_schema, op_domain
+    from ortpass.training.python_ops import _ensure_schema, op_domain, ops_in
 
     table: dict[Any, Any] = {}
-    for node in program.graph.nodes:
-        target = node.target
-        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or target.namespace != _NAMESPACE:
-            continue
-        side, _, number = target._opname.partition("_")
-        call = _calls[int(number)]
+    for target, side, number in ops_in(program, _NAMESPACE):
+        call = _calls[number]
         if side == "seed":
             domain = op_domain(f"attentionseed{number}")
             _ensure_schema(domain, f"{SEED_PREFIX}{number}", 1, 1)
