@@ -53,9 +53,11 @@ def pack_kept_masks(model: ir.Model) -> int:
         if value.dtype == ir.DataType.BOOL and id(value) not in outputs
         and any(is_backward(user) for user, _ in value.uses())
     ]  # fmt: skip
+    # Positions taken once: the nodes inserted below leave the others' order as it was.
+    position = {node: k for k, node in enumerate(graph)}.__getitem__
     for mask in kept:
+        readers = sorted({user for user, _ in mask.uses() if is_backward(user)}, key=position)
         packed, shape = _pack_after_producer(graph, mask)
-        readers = sorted({user for user, _ in mask.uses() if is_backward(user)}, key=_position(graph))
         unpacked = _unpack_before(graph, readers[0], mask, packed, shape)
         for user, index in list(mask.uses()):
             if is_backward(user):
@@ -63,11 +65,6 @@ def pack_kept_masks(model: ir.Model) -> int:
     if kept:
         logger.info("%d mask(s) kept from forward to backward as bits", len(kept))
     return len(kept)
-
-
-def _position(graph: ir.Graph):
-    order = {node: k for k, node in enumerate(graph)}
-    return order.__getitem__
 
 
 def _constant(name: str, array: np.ndarray) -> ir.Node:

@@ -35,6 +35,7 @@ def rederive_layout_of_inputs(model: ir.Model) -> int:
     graph = model.graph
     sources = {id(v) for v in graph.inputs} | {id(v) for v in graph.initializers.values()}
     position = {node: k for k, node in enumerate(graph)}
+    graph_outputs = {id(v) for v in graph.outputs}
     cloned = 0
     for node in list(graph):
         if is_backward(node) or node.domain not in ("", "ai.onnx") or node.op_type not in _LAYOUT_OPS:
@@ -43,7 +44,7 @@ def rederive_layout_of_inputs(model: ir.Model) -> int:
             continue
         output = node.outputs[0]
         readers = sorted({user for user, _ in output.uses() if is_backward(user)}, key=position.__getitem__)
-        if not readers or id(output) in {id(v) for v in graph.outputs}:
+        if not readers or id(output) in graph_outputs:
             continue
         clone = ir.Node(
             node.domain, node.op_type, list(node.inputs), attributes=list(node.attributes.values()),
