@@ -132,6 +132,30 @@ def test_a_recomputation_longer_than_the_chain_limit_is_not_copied_and_the_log_s
     assert "longer than MAX_CHAIN (1 nodes)" in caplog.text
 
 
+def test_without_a_budget_a_copy_must_save_memory_in_proportion_to_the_time_it_adds(monkeypatch, caplog):
+    """A copy is priced by the cost model: with a fixed price per FLOP and per byte, the
+    copies made are those whose peak saving is at least MIN_SAVED_PER_ADDED times their
+    share of the step's time.  Asking for a saving no copy gives makes none, and says why;
+    under a budget the price is not asked (the user asked for the memory)."""
+    from ortpass.analysis.recompute.timing import CostModel
+    from ortpass.passes import recompute_again_late
+
+    _, _, model = _decoder_graph()
+    recomputed = ortpass.pipeline(RECOMPUTE, assume=["training-graph"])(model).model
+    monkeypatch.setattr(CostModel, "for_this_machine", classmethod(lambda cls: cls(1e-10, 1e-9)))
+    made = ortpass.pipeline("recompute-again-late", assume=["training-graph"])(recomputed.clone())
+    assert made.report["recompute-again-late"].modified  # the copies are worth their time here
+    monkeypatch.setattr(recompute_again_late, "MIN_SAVED_PER_ADDED", 1e6)
+    with caplog.at_level("DEBUG", logger=recompute_again_late.__name__):
+        refused = ortpass.pipeline("recompute-again-late", assume=["training-graph"])(recomputed.clone())
+    assert not refused.report["recompute-again-late"].modified
+    assert "more time" in caplog.text and "not computed again" in caplog.text
+    budgeted = recomputed.clone()
+    budgeted.metadata_props[STEP_MEMORY_TARGET_KEY] = "1"  # below any reachable peak
+    under_budget = ortpass.pipeline("recompute-again-late", assume=["training-graph"])(budgeted)
+    assert under_budget.report["recompute-again-late"].modified
+
+
 def test_a_budget_is_planned_on_the_graph_as_the_installed_runtime_runs_it():
     """On stock onnxruntime a session makes recomputed Dropouts read the forward masks
     (``masks_read_where_redraws_differ``); the budget planner and this pass judge that
