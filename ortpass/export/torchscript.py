@@ -48,6 +48,7 @@ def export(
     density_threshold: float | None = 90.0,
     fused_attention: bool | Literal["auto"] = False,
     training: bool | None = True,
+    weights: bool = True,
 ) -> ir.Model:
     """Export ``module(*args)`` (whose first output is the scalar loss) for training.
 
@@ -82,6 +83,9 @@ def export(
             inside a training model stays off), for a graph the module's own
             ``training`` flag decides.  Either way every submodule's flag is as before
             after the export.
+        weights: False exports the parameters and buffers as graph inputs without their
+            values (torch's ``export_params=False``): the graph alone, for comparing
+            exports (ORTModule's dims proof) without copying every weight.
 
     Returns:
         An onnx_ir model: parameters are initializers named by ``state_dict`` names, the
@@ -112,7 +116,7 @@ def export(
 
     proto, density_records = _run_torchscript_export(
         module, args, list(input_names), names, opset, dynamic_axes, density_threshold if training else None,
-        mode, fused_attention,
+        mode, fused_attention, weights,
     )
     if training and loss_name is not None:
         _check_loss_output(proto, loss_name)
@@ -146,7 +150,8 @@ def check_fused_attention(value: object) -> None:
 
 
 def _run_torchscript_export(
-    module, args, input_names, output_names, opset, dynamic_axes, density_threshold, training=True, fused_attention=False
+    module, args, input_names, output_names, opset, dynamic_axes, density_threshold, training=True, fused_attention=False,
+    weights=True,
 ):
     """Run torch's exporter with PythonOp export and the density probe hooked in.
 
@@ -190,7 +195,7 @@ def _run_torchscript_export(
                 dynamo=False,
                 training=_TRAINING_MODES[training],
                 do_constant_folding=False,
-                export_params=True,
+                export_params=weights,
                 opset_version=opset,
                 input_names=input_names,
                 output_names=list(output_names),
@@ -209,7 +214,13 @@ def _run_torchscript_export(
         for m, was_training in modes:  # torch's exporter sets the mode of every submodule
             m.training = was_training
     refuse_data_dependent(conversions, type(shown_module(module)).__name__)
-    return onnx.load_from_string(buffer.getvalue()), (probe.records if probe is not None else [])
+    # Parsed from the buffer's own memory: ``getvalue()`` would copy the serialization (every
+    # weight) once more while the parsed model also holds it.
+    proto = onnx.ModelProto()
+    with buffer.getbuffer() as serialized:
+        proto.ParseFromString(serialized)
+    buffer.close()
+    return proto, (probe.records if probe is not None else [])
 
 
 def _quiet_batch_norm_counters(module: torch.nn.Module) -> None:

@@ -121,9 +121,12 @@ def _changed(tensors: Sequence[torch.Tensor], groups: dict[int, list[Dim]]) -> l
 def graph_signature(model: ir.Model, state: set[str]) -> list:
     """The graph as comparable data: every node's op, attributes and wiring, with values
     named by where they come from (a graph input's position, a node output's position,
-    a constant's bytes) rather than by name; ``state``: initializers compared by name only
-    (parameters and buffers, the same tensors in both exports)."""
-    ids: dict[ir.Value, tuple] = {v: ("input", k) for k, v in enumerate(model.graph.inputs)}
+    a constant's bytes) rather than by name; ``state``: initializers and graph inputs
+    compared by name only (parameters and buffers, the same tensors in both exports, with
+    or without their values)."""
+    ids: dict[ir.Value, tuple] = {
+        v: ("state", v.name) if v.name in state else ("input", k) for k, v in enumerate(model.graph.inputs)
+    }  # state as inputs: an export without the weights' values (``export(weights=False)``)
     for name, value in model.graph.initializers.items():
         ids[value] = ("state", name) if name in state else ("constant", _digest(value.const_value))
     signature: list = []

@@ -203,13 +203,15 @@ class GraphBuilding:
         by_dim = {f"{name}_dim{axis}": (i, axis) for i, (name, t) in enumerate(zip(names, tensors)) for axis in range(t.dim())}
         return {by_dim[d] for d in exc.dims if d in by_dim}
 
-    def _export(self, flat: FlatCall, names: list[str], tensors: list[torch.Tensor], static: set, kind: str) -> ir.Model:
+    def _export(
+        self, flat: FlatCall, names: list[str], tensors: list[torch.Tensor], static: set, kind: str, weights: bool = True
+    ) -> ir.Model:
         """Export ``flat`` at ``tensors`` with the ``static`` dims static and the others
         dynamic; the module's buffers, modes and torch's generators are left as they were,
         and a forward that writes to a parameter or buffer (BatchNorm's statistics
         excepted) is refused."""
         with export_side_effects_undone(self.module) as effects:
-            model = self._traced(flat, names, tensors, static, kind)
+            model = self._traced(flat, names, tensors, static, kind, weights)
         allowed = running_stat_buffers(self.module)
         changed = [name for name in effects.changed if name not in allowed]
         if changed:
@@ -219,7 +221,9 @@ class GraphBuilding:
             )
         return model
 
-    def _traced(self, flat: FlatCall, names: list[str], tensors: list[torch.Tensor], static: set, kind: str) -> ir.Model:
+    def _traced(
+        self, flat: FlatCall, names: list[str], tensors: list[torch.Tensor], static: set, kind: str, weights: bool = True
+    ) -> ir.Model:
         from ortpass.export import export
 
         dynamic = {
@@ -237,6 +241,7 @@ class GraphBuilding:
                 training=None, fused_attention=self.fused_attention, density_threshold=90.0 if train else None,
                 inputs_with_grad=[n for n, t in zip(names, tensors) if t.requires_grad and train],
                 outputs_with_grad=[],  # decided below from what the trace says requires grad
+                weights=weights,
             )  # fmt: skip
 
     def _export_and_optimize(self, kind, leaves, spec, bound, tensors, static) -> tuple[ir.Model, dict, Any]:
@@ -352,7 +357,8 @@ class GraphBuilding:
 
         def signature_at(changed: list[torch.Tensor]) -> list | None:
             try:
-                return graph_signature(self._export(flat, names, changed, static, kind), state)
+                # Without the weights' values: the signature names state, never reads it.
+                return graph_signature(self._export(flat, names, changed, static, kind, weights=False), state)
             except Exception as exc:  # any failure of that export leaves the dims unproven
                 logger.debug("ORTModule: the export at other sizes failed: %s", exc)
                 return None
