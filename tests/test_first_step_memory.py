@@ -9,7 +9,7 @@ import onnx_ir as ir
 import pytest
 
 from ortpass.analysis.memory import bind_internal_dims
-from ortpass.analysis.weightless import proto_without_weights
+from ortpass.graph.weightless import proto_without_weights
 from ortpass.training import build
 from ortpass.training.detached_weights import PLACEHOLDER, detach, reattach, without_detached
 
@@ -136,6 +136,6 @@ def test_internal_dims_are_bound_as_before_without_the_weights(monkeypatch):
     model.graph.node("reshape").outputs[0].shape = ir.Shape(["unk__7", 12])
     wanted = {"unk__7", "unk__9"}
     light = bind_internal_dims(model, {"batch": 6}, wanted)
-    monkeypatch.setattr("ortpass.analysis.weightless.proto_without_weights", ir.to_proto)
+    monkeypatch.setattr("ortpass.graph.weightless.proto_without_weights", ir.to_proto)
     assert light == bind_internal_dims(model, {"batch": 6}, wanted) == {"unk__7": 3, "unk__9": 3}
 

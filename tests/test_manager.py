@@ -491,6 +491,32 @@ def test_the_result_carries_the_serialization_the_last_check_accepted(relu_model
     assert result.proto.SerializeToString() == ir.to_proto(result.model).SerializeToString()
 
 
+def test_the_final_check_takes_the_weights_one_at_a_time_and_holds_no_serialization(monkeypatch):
+    """Where the weights are graph inputs (ORTModule's graphs), the incremental mode's final
+    onnx check sees each weight (a floating-point initializer that is a graph input) alone
+    and the graph without them: no copy of the whole model's bytes is made or kept (a deep
+    model's first call peaked there)."""
+    import onnx
+
+    weight = ir.Value(name="w", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([2]),
+                      const_value=ir.tensor([1.0, 2.0], dtype=ir.DataType.FLOAT, name="w"))
+    x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([2]))
+    node = ir.node("Add", [x, weight], num_outputs=1)
+    node.outputs[0].name, node.outputs[0].type, node.outputs[0].shape = "y", ir.TensorType(ir.DataType.FLOAT), ir.Shape([2])
+    graph = ir.Graph([x, weight], [node.outputs[0]], nodes=[node], initializers=[weight], opset_imports={"": 17},
+                     name="g")
+    model = ir.Model(graph, ir_version=8)
+    tensors, models = [], []
+    real_tensor, real_model = onnx.checker.check_tensor, onnx.checker.check_model
+    monkeypatch.setattr(onnx.checker, "check_tensor", lambda t, *a: (tensors.append(t.name), real_tensor(t, *a))[1])
+    monkeypatch.setattr(onnx.checker, "check_model", lambda m, *a, **k: (models.append(m), real_model(m, *a, **k))[1])
+    result = PassManager([InsertIdentityPass()], check="incremental")(model)
+    assert result.proto is None
+    assert tensors == ["w", "w"]  # the input check's, then the final check's
+    final = models[-1]
+    assert [i.name for i in final.graph.input] == ["x", "w"] and not final.graph.initializer
+
+
 @pytest.mark.parametrize("check, passes", [("none", [InsertIdentityPass()]), ("incremental", [NoOpPass()])])
 def test_no_serialization_is_carried_where_no_check_made_one(relu_model, check, passes):
     assert PassManager(passes, check=check)(relu_model).proto is None

@@ -223,7 +223,7 @@ def bind_internal_dims(model: ir.Model, dims: Mapping[str, int], wanted: Iterabl
     import onnx
     import onnx.shape_inference
 
-    from ortpass.analysis.weightless import proto_without_weights
+    from ortpass.graph.weightless import proto_without_weights
 
     wanted = set(wanted) - set(dims)
     if not wanted:

@@ -30,7 +30,7 @@ from ortpass.errors import (
 from ortpass.infra.analysis_cache import AnalysisCache
 from ortpass.infra.base import PassDeclarations, pass_name_of
 from ortpass.infra.checkers import Accepted, checker_for
-from ortpass.infra.checks import full_check
+from ortpass.infra.checks import full_check, full_check_weight_by_weight
 from ortpass.infra.gc_pause import CyclicGcPaused
 from ortpass.infra.node_diff import all_nodes, count_ops, diff_nodes
 from ortpass.infra.ordering import order_passes
@@ -162,15 +162,17 @@ class PassManager(ir.passes.FunctionalPass):
             current = model.clone()
         return ManagerResult(current, report.modified, report, checked.proto)
 
-    def _final_check(self, model: ir.Model, out: ir.Model, report: PassReport) -> onnx.ModelProto:
+    def _final_check(self, model: ir.Model, out: ir.Model, report: PassReport) -> onnx.ModelProto | None:
         """The onnx checker itself on ``out``, the model the run returns, after the
         incremental checks (so what they cannot see, like a tensor changed in place,
-        does not leave the manager); returns the serialization it accepted.  Should it
-        refuse ``out`` and accept the input, the passes run again from ``model`` with the
-        checker after each, to name the first whose output it refuses."""
+        does not leave the manager), weight by weight where the weights are graph inputs
+        (:func:`full_check_weight_by_weight`); returns the serialization it accepted where
+        that is the whole model, else None.  Should it refuse ``out`` and accept
+        the input, the passes run again from ``model`` with the checker after each, to
+        name the first whose output it refuses."""
         start = time.perf_counter()
         try:
-            proto = full_check(out)
+            proto = full_check_weight_by_weight(out)
         except Exception as exc:  # noqa: BLE001 - the pass to blame is looked for and named
             report.final_check_seconds = time.perf_counter() - start
             reason = _describe(exc)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import onnx
 import onnx_ir as ir
 
-__all__ = ["proto_without_weights"]
+__all__ = ["proto_without_weights", "weights_left_out"]
 
 _FLOATS = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE})
 
@@ -36,6 +36,11 @@ class _ModelWithGraph:
 
 def _is_weight(value: ir.Value) -> bool:
     return value.is_graph_input() and value.dtype in _FLOATS
+
+
+def weights_left_out(model: ir.Model) -> list[ir.Value]:
+    """The initializers :func:`proto_without_weights` leaves out."""
+    return [value for value in model.graph.initializers.values() if _is_weight(value)]
 
 
 def proto_without_weights(model: ir.Model) -> onnx.ModelProto:
