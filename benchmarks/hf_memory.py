@@ -75,6 +75,8 @@ CONFIGS = [
     ("torch_builder", "ortpass, torch builder (training build)", "ort"),
     ("torch_builder_stock", "ortpass, torch builder, stock onnxruntime", "ort-stock"),
     ("wrapper_stock", "ortpass.ORTModule (dynamic dims), stock onnxruntime", "wrapper-stock"),
+    ("wrapper_stock_fused", "ortpass.ORTModule (dynamic dims), fused_attention=True, stock onnxruntime",
+     "wrapper-stock"),
     ("wrapper_split", "ortpass.ORTModule, loss computed in torch from the logits", "wrapper"),
     ("wrapper_split_stock", "ortpass.ORTModule, loss computed in torch from the logits, stock onnxruntime",
      "wrapper-stock"),
@@ -193,13 +195,14 @@ def child_torch(work: Path, family: str, seq: int, key: str, steps: int) -> dict
     return rm.measure_loss_steps(model, batch, steps)
 
 
-def child_wrapper(work: Path, family: str, seq: int, steps: int, loss: str = "module") -> dict:
+def child_wrapper(work: Path, family: str, seq: int, steps: int, loss: str = "module", fused: bool = False) -> dict:
     """``ortpass.ORTModule`` as a user runs it: the graph built at the first step with every
     input dim dynamic, its default pipeline (on stock onnxruntime: the torch builder); over
     the loss module (``loss="module"``), or over the model with the loss computed in torch
     from its logits (``loss="torch"``: forward and backward run apart).  The memory run's sessions get the arena off, as the
     other rows' (``hf_memory_real_width._sessions_without_arena``); the timing run loads the
-    graph the memory run built from the shared ``cache_dir``."""
+    graph the memory run built from the shared ``cache_dir``.  ``fused``: ``fused_attention=True``
+    (on stock, attention as one Python op running torch's kernel)."""
     import numpy as np
     import torch
 
@@ -220,7 +223,8 @@ def child_wrapper(work: Path, family: str, seq: int, steps: int, loss: str = "mo
             shifted = logits[:, :-1].flatten(0, 1).float()  # as transformers' causal LM loss
             return torch.nn.functional.cross_entropy(shifted, batch["labels"][:, 1:].flatten())
     else:
-        wrapped = ortpass.ORTModule(_loss_module(model), cache_dir=work / f"cache_{family}")
+        wrapped = ortpass.ORTModule(_loss_module(model), cache_dir=work / f"cache_{family}{'_fused' if fused else ''}",
+                                    fused_attention=True if fused else "auto")
 
         def forward():
             return wrapped(**batch)
@@ -269,7 +273,7 @@ def run(families: list[str], seq: int, steps: int, only: list[str] | None = None
                     args = ("ort", str(work), key, str(steps), "0")
                 elif kind.startswith("wrapper"):
                     loss = "torch" if key.startswith("wrapper_split") else "module"
-                    args = ("wrapper", str(work), family, str(seq), str(steps), loss)
+                    args = ("wrapper", str(work), family, str(seq), str(steps), loss, str(int(key.endswith("_fused"))))
                 elif kind.startswith("ort"):
                     args = ("ort", str(work), key, str(steps), str(int(kind == "ort-bridge")))
                 else:
@@ -364,8 +368,8 @@ def _goal(family: str, configs: dict) -> list[str]:
     level 1, step time at most 1.2x torch + checkpointing's."""
     cpp = configs["ort_cpp_l1"]
     lines = []
-    ours_keys = ("ortpass", "ortpass_fused", "torch_builder", "torch_builder_stock", "wrapper_stock", "wrapper_split",
-                 "wrapper_split_stock")
+    ours_keys = ("ortpass", "ortpass_fused", "torch_builder", "torch_builder_stock", "wrapper_stock",
+                 "wrapper_stock_fused", "wrapper_split", "wrapper_split_stock")
     for key in [k for base in ours_keys for k in configs if k.split("@")[0] == base]:
         ours = configs[key]
         run = ours.get("run", 0)  # torch + checkpointing measured in the same run
@@ -396,7 +400,7 @@ def main(argv: list[str] | None = None) -> None:
         elif kind == "ort-cpp":
             out = rm.child_ort_cpp(path, int(rest[0]), recompute=rest[1] == "1")
         elif kind == "wrapper":
-            out = child_wrapper(path, rest[0], int(rest[1]), int(rest[2]), rest[3])
+            out = child_wrapper(path, rest[0], int(rest[1]), int(rest[2]), rest[3], rest[4] == "1")
         else:
             out = child_torch(path, rest[0], int(rest[1]), rest[2], int(rest[3]))
         print(json.dumps(out))
