@@ -139,3 +139,45 @@ def test_internal_dims_are_bound_as_before_without_the_weights(monkeypatch):
     monkeypatch.setattr("ortpass.graph.weightless.proto_without_weights", ir.to_proto)
     assert light == bind_internal_dims(model, {"batch": 6}, wanted) == {"unk__7": 3, "unk__9": 3}
 
+
+
+def test_an_export_without_the_weights_is_the_same_graph_with_the_state_as_inputs():
+    """``export(weights=False)`` (ORTModule's export and its dims proof) writes no weight:
+    the graph is node for node the export with weights, its state named alike as graph
+    inputs, and the trainable parameters recorded alike."""
+    import json
+
+    import torch
+
+    from ortpass.conventions import EXPORT_KEY
+    from ortpass.export import export
+    from ortpass.runtime.module.dims import graph_signature
+
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 16))
+    module[2].bias.requires_grad_(False)  # frozen: not a trainable parameter either way
+    ids = torch.randint(0, 16, (2, 5))
+    state = {n for n, _ in module.named_parameters()}
+    kwargs = dict(input_names=["ids"], loss_name=None, outputs_with_grad=[])
+    full = export(module, (ids,), **kwargs)
+    bare = export(module, (ids,), weights=False, **kwargs)
+    assert set(full.graph.initializers) >= state and not set(bare.graph.initializers) & state
+    assert {v.name for v in bare.graph.inputs} == {"ids", *state}
+    assert graph_signature(bare, state) == graph_signature(full, state)
+    params = [json.loads(m.metadata_props[EXPORT_KEY])["params"] for m in (full, bare)]
+    assert params[0] == params[1] == ["0.weight", "1.weight", "1.bias", "2.weight"]
+
+
+def test_ortmodule_gives_its_graph_the_modules_own_tensors_not_copies():
+    import torch
+
+    from ortpass.runtime.module.graphs import _attach_state
+
+    weight = torch.randn(4, 6)
+    model = _mlp_model()
+    model.graph.initializers.pop("w1").const_value = None  # as an export without weights has it
+    _attach_state(model, {"w1": weight})
+    attached = model.graph.initializers["w1"]
+    assert attached.is_graph_input()
+    assert attached.const_value.raw.data_ptr() == weight.data_ptr()  # shared with torch
+    np.testing.assert_array_equal(attached.const_value.numpy(), weight.numpy())

@@ -84,8 +84,9 @@ def export(
             ``training`` flag decides.  Either way every submodule's flag is as before
             after the export.
         weights: False exports the parameters and buffers as graph inputs without their
-            values (torch's ``export_params=False``): the graph alone, for comparing
-            exports (ORTModule's dims proof) without copying every weight.
+            values (torch's ``export_params=False``), named as with them: no copy of any
+            weight is made (ORTModule attaches its module's own tensors, and its dims
+            proof compares graphs alone).
 
     Returns:
         An onnx_ir model: parameters are initializers named by ``state_dict`` names, the
@@ -125,8 +126,9 @@ def export(
     name_context_outputs(model)
     record_padding_indices(model)
     _name_unnamed_nodes(model)
-    initializer_names = set(model.graph.initializers)
-    params = [name for name, p in module.named_parameters() if p.requires_grad and name in initializer_names]
+    # The state: initializers, or without the weights' values graph inputs beyond the call's.
+    state_names = set(model.graph.initializers) if weights else {v.name for v in model.graph.inputs} - set(input_names)
+    params = [name for name, p in module.named_parameters() if p.requires_grad and name in state_names]
     info = {
         "loss": loss_name,
         "params": params,
@@ -214,13 +216,7 @@ def _run_torchscript_export(
         for m, was_training in modes:  # torch's exporter sets the mode of every submodule
             m.training = was_training
     refuse_data_dependent(conversions, type(shown_module(module)).__name__)
-    # Parsed from the buffer's own memory: ``getvalue()`` would copy the serialization (every
-    # weight) once more while the parsed model also holds it.
-    proto = onnx.ModelProto()
-    with buffer.getbuffer() as serialized:
-        proto.ParseFromString(serialized)
-    buffer.close()
-    return proto, (probe.records if probe is not None else [])
+    return onnx.load_from_string(buffer.getvalue()), (probe.records if probe is not None else [])
 
 
 def _quiet_batch_norm_counters(module: torch.nn.Module) -> None:

@@ -96,6 +96,19 @@ def _graph_input_name(path: str, taken: set[str]) -> str:
     return candidate
 
 
+def _attach_state(model: ir.Model, tensors: dict[str, torch.Tensor]) -> None:
+    """Give the graph inputs an export without weights made of the module's parameters and
+    buffers (``tensors``, by their names in the graph) those tensors as initializers, shared
+    with torch, not copied (:class:`onnx_ir.tensor_adapters.TorchTensor`)."""
+    from onnx_ir.tensor_adapters import TorchTensor
+
+    for value in model.graph.inputs:
+        tensor = tensors.get(value.name or "")
+        if tensor is not None and value.const_value is None:
+            value.const_value = TorchTensor(tensor.detach(), name=value.name)
+            model.graph.register_initializer(value)
+
+
 def _state_to_inputs(model: ir.Model, state_names: set[str]) -> None:
     """Make every parameter and buffer a graph input (ORT's fusions then cannot fold a
     frozen weight into a constant); ``strip`` below drops their values afterwards."""
@@ -253,7 +266,10 @@ class GraphBuilding:
         state = {f"{INNER}.{n}" for n, _ in named}
         if self.builder_in_use == "torch":  # forward graphs too: no PythonOp, which stock ORT lacks
             return self._built_by_torch(flat, names, tensors, static, state, kind)
-        model = self._export(flat, names, tensors, static, kind)
+        # Without the weights' values, then given the module's own tensors: torch's
+        # serialization of every weight, and its parse, were copies of what torch holds.
+        model = self._export(flat, names, tensors, static, kind, weights=False)
+        _attach_state(model, {f"{INNER}.{n}": t for n, t in named})
         # Read now: the export at other sizes below traces ``flat`` again.
         output_leaves, output_spec, output_tree = flat.output_leaves, flat.output_spec, flat.output_tree
         has_loss = any(k == "loss" for _, k in output_leaves)
