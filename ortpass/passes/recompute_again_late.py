@@ -22,7 +22,10 @@ in order, as early in graph order as their inputs allow (not before backward's f
 so that ORT's walk computes them right before the late reader that needs them first, after
 its other inputs; every reader after the peak of a value they produce reads the copy's
 value instead.  The buffers are tried largest first, and the first copy that lowers the
-predicted peak is kept; the search starts again at the new peak, until no copy lowers it
+predicted peak is kept (without a memory budget, only where it lowers the peak by at least
+:data:`MIN_SAVED_PER_ADDED` times the share of the step's time it adds, both priced by
+:class:`~ortpass.analysis.recompute.timing.CostModel`: a MatMul run a third time for a
+hundredth of a percent of the peak is not worth its time); the search starts again at the new peak, until no copy lowers it
 or the peak meets the target a memory budget recorded (``STEP_MEMORY_TARGET_KEY``,
 written by ``recompute(budget=)``: copies past it would cost time for memory nobody asked
 for).  A clone with no reader left is then removed.  Each copy costs the time of its
