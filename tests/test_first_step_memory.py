@@ -171,12 +171,12 @@ def test_an_export_without_the_weights_is_the_same_graph_with_the_state_as_input
 def test_ortmodule_gives_its_graph_the_modules_own_tensors_not_copies():
     import torch
 
-    from ortpass.runtime.module.graphs import _attach_state
+    from ortpass.runtime.module.graph_state import attach_state
 
     weight = torch.randn(4, 6)
     model = _mlp_model()
     model.graph.initializers.pop("w1").const_value = None  # as an export without weights has it
-    _attach_state(model, {"w1": weight})
+    attach_state(model, {"w1": weight})
     attached = model.graph.initializers["w1"]
     assert attached.is_graph_input()
     assert attached.const_value.raw.data_ptr() == weight.data_ptr()  # shared with torch

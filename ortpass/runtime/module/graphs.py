@@ -25,6 +25,7 @@ from ortpass.runtime.module.cache import cache_key_material, load_cached, store_
 from ortpass.training.python_ops import runs_here
 from ortpass.runtime.module.dims import PinnedDims, graph_signature, prove_dynamic_dims
 from ortpass.runtime.module.flat import INNER, FlatCall, checkpointing_disabled
+from ortpass.runtime.module.graph_state import attach_state, state_to_inputs, strip_state_values
 from ortpass.runtime.module.state import (
     BatchNormUpdate,
     BufferCopy,
@@ -94,39 +95,6 @@ def _graph_input_name(path: str, taken: set[str]) -> str:
         candidate = f"{name}_{n}"
     taken.add(candidate)
     return candidate
-
-
-def _attach_state(model: ir.Model, tensors: dict[str, torch.Tensor]) -> None:
-    """Give the graph inputs an export without weights made of the module's parameters and
-    buffers (``tensors``, by their names in the graph) those tensors as initializers, shared
-    with torch, not copied (:class:`onnx_ir.tensor_adapters.TorchTensor`)."""
-    from onnx_ir.tensor_adapters import TorchTensor
-
-    for value in model.graph.inputs:
-        tensor = tensors.get(value.name or "")
-        if tensor is not None and value.const_value is None:
-            value.const_value = TorchTensor(tensor.detach(), name=value.name)
-            model.graph.register_initializer(value)
-
-
-def _state_to_inputs(model: ir.Model, state_names: set[str]) -> None:
-    """Make every parameter and buffer a graph input (ORT's fusions then cannot fold a
-    frozen weight into a constant); ``strip`` below drops their values afterwards."""
-    inputs = {v.name for v in model.graph.inputs}
-    for name, value in model.graph.initializers.items():
-        if name in state_names and name not in inputs:
-            model.graph.inputs.append(value)
-
-
-def _strip_state_values(model: ir.Model, state_names: set[str]) -> list[str]:
-    """Drop the values of parameters and buffers: the session gets them fed every step."""
-    stripped = []
-    for name in list(model.graph.initializers):
-        if name in state_names:
-            value = model.graph.initializers.pop(name)
-            value.const_value = None
-            stripped.append(name)
-    return stripped
 
 
 def _name_outputs(model: ir.Model, has_loss: bool) -> list[str]:
@@ -269,7 +237,7 @@ class GraphBuilding:
         # Without the weights' values, then given the module's own tensors: torch's
         # serialization of every weight, and its parse, were copies of what torch holds.
         model = self._export(flat, names, tensors, static, kind, weights=False)
-        _attach_state(model, {f"{INNER}.{n}": t for n, t in named})
+        attach_state(model, {f"{INNER}.{n}": t for n, t in named})
         # Read now: the export at other sizes below traces ``flat`` again.
         output_leaves, output_spec, output_tree = flat.output_leaves, flat.output_spec, flat.output_tree
         has_loss = any(k == "loss" for _, k in output_leaves)
@@ -284,7 +252,7 @@ class GraphBuilding:
                 model, loss=outputs[0] if has_loss else None, outputs_with_grad=None if has_loss else differentiated
             )
         pin = self._pins(flat, names, tensors, static, kind, model, state)
-        _state_to_inputs(model, state)
+        state_to_inputs(model, state)
         batch_norms: list[BatchNormUpdate] = []
         report = None
         if kind == "train":
@@ -294,7 +262,7 @@ class GraphBuilding:
                 result = ortpass.pipeline(self.pipeline)(model)
             model, report = result.model, result.report
             batch_norms = expose_batch_norm_statistics(model, self.module, f"{INNER}.")
-        stripped = _strip_state_values(model, state)
+        stripped = strip_state_values(model, state)
         graph_inputs = {v.name for v in model.graph.inputs}
         meta = {
             "kind": "forward" if kind != "train" else ("loss" if has_loss else "split"),
@@ -345,8 +313,8 @@ class GraphBuilding:
             with self._pipeline_notices():
                 result = ortpass.pipeline(post_grad, assume=["training-graph"])(model)
             model, report = result.model, result.report
-        _state_to_inputs(model, state)
-        stripped = _strip_state_values(model, state)
+        state_to_inputs(model, state)
+        stripped = strip_state_values(model, state)
         graph_inputs = {v.name: v for v in model.graph.inputs}
         symbolic = {(i, a) for i, n in enumerate(names) if n in graph_inputs
                     for a, d in enumerate(graph_inputs[n].shape or ()) if not isinstance(d, int)}  # fmt: skip
