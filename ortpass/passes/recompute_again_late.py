@@ -25,8 +25,8 @@ value instead.  The buffers are tried largest first, and the first copy that low
 predicted peak is kept (without a memory budget, only where it lowers the peak by at least
 :data:`MIN_SAVED_PER_ADDED` times the share of the step's time it adds, both priced by
 :class:`~ortpass.analysis.recompute.timing.CostModel`: a MatMul run a third time for a
-hundredth of a percent of the peak is not worth its time); the search starts again at the new peak, until no copy lowers it
-or the peak meets the target a memory budget recorded (``STEP_MEMORY_TARGET_KEY``,
+hundredth of a percent of the peak is not worth its time); the search starts again at the
+new peak, until no copy lowers it or the peak meets the target a memory budget recorded (``STEP_MEMORY_TARGET_KEY``,
 written by ``recompute(budget=)``: copies past it would cost time for memory nobody asked
 for).  A clone with no reader left is then removed.  Each copy costs the time of its
 nodes, once a step; a copy that does not lower the peak is never made.

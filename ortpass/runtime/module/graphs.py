@@ -184,15 +184,15 @@ class GraphBuilding:
         by_dim = {f"{name}_dim{axis}": (i, axis) for i, (name, t) in enumerate(zip(names, tensors)) for axis in range(t.dim())}
         return {by_dim[d] for d in exc.dims if d in by_dim}
 
-    def _export(
-        self, flat: FlatCall, names: list[str], tensors: list[torch.Tensor], static: set, kind: str, weights: bool = True
-    ) -> ir.Model:
+    def _export(self, flat: FlatCall, names: list[str], tensors: list[torch.Tensor], static: set, kind: str) -> ir.Model:
         """Export ``flat`` at ``tensors`` with the ``static`` dims static and the others
-        dynamic; the module's buffers, modes and torch's generators are left as they were,
-        and a forward that writes to a parameter or buffer (BatchNorm's statistics
-        excepted) is refused."""
+        dynamic, its parameters and buffers graph inputs without values (torch's copy of
+        every weight would only be dropped: :func:`attach_state` gives the graph torch's
+        own tensors, and the dims proof compares graphs alone); the module's buffers,
+        modes and torch's generators are left as they were, and a forward that writes to a
+        parameter or buffer (BatchNorm's statistics excepted) is refused."""
         with export_side_effects_undone(self.module) as effects:
-            model = self._traced(flat, names, tensors, static, kind, weights)
+            model = self._traced(flat, names, tensors, static, kind)
         allowed = running_stat_buffers(self.module)
         changed = [name for name in effects.changed if name not in allowed]
         if changed:
@@ -202,9 +202,7 @@ class GraphBuilding:
             )
         return model
 
-    def _traced(
-        self, flat: FlatCall, names: list[str], tensors: list[torch.Tensor], static: set, kind: str, weights: bool = True
-    ) -> ir.Model:
+    def _traced(self, flat: FlatCall, names: list[str], tensors: list[torch.Tensor], static: set, kind: str) -> ir.Model:
         from ortpass.export import export
 
         dynamic = {
@@ -222,7 +220,7 @@ class GraphBuilding:
                 training=None, fused_attention=self.fused_attention, density_threshold=90.0 if train else None,
                 inputs_with_grad=[n for n, t in zip(names, tensors) if t.requires_grad and train],
                 outputs_with_grad=[],  # decided below from what the trace says requires grad
-                weights=weights,
+                weights=False,
             )  # fmt: skip
 
     def _export_and_optimize(self, kind, leaves, spec, bound, tensors, static) -> tuple[ir.Model, dict, Any]:
@@ -234,9 +232,7 @@ class GraphBuilding:
         state = {f"{INNER}.{n}" for n, _ in named}
         if self.builder_in_use == "torch":  # forward graphs too: no PythonOp, which stock ORT lacks
             return self._built_by_torch(flat, names, tensors, static, state, kind)
-        # Without the weights' values, then given the module's own tensors: torch's
-        # serialization of every weight, and its parse, were copies of what torch holds.
-        model = self._export(flat, names, tensors, static, kind, weights=False)
+        model = self._export(flat, names, tensors, static, kind)
         attach_state(model, {f"{INNER}.{n}": t for n, t in named})
         # Read now: the export at other sizes below traces ``flat`` again.
         output_leaves, output_spec, output_tree = flat.output_leaves, flat.output_spec, flat.output_tree
@@ -251,8 +247,7 @@ class GraphBuilding:
             update_export_info(
                 model, loss=outputs[0] if has_loss else None, outputs_with_grad=None if has_loss else differentiated
             )
-        pin = self._pins(flat, names, tensors, static, kind, model, state)
-        state_to_inputs(model, state)
+        pin = self._pins(flat, names, tensors, static, kind, model, state)  # attach_state made the state inputs
         batch_norms: list[BatchNormUpdate] = []
         report = None
         if kind == "train":
@@ -341,8 +336,7 @@ class GraphBuilding:
 
         def signature_at(changed: list[torch.Tensor]) -> list | None:
             try:
-                # Without the weights' values: the signature names state, never reads it.
-                return graph_signature(self._export(flat, names, changed, static, kind, weights=False), state)
+                return graph_signature(self._export(flat, names, changed, static, kind), state)
             except Exception as exc:  # any failure of that export leaves the dims unproven
                 logger.debug("ORTModule: the export at other sizes failed: %s", exc)
                 return None
