@@ -9,9 +9,11 @@ import onnx_ir as ir
 import pytest
 
 from ortpass.analysis.memory import bind_internal_dims
-from ortpass.graph.weightless import proto_without_weights
+from ortpass.errors import ModelLoadError
+from ortpass.graph.weightless import proto_with_placeholders, proto_without_weights
+from ortpass.infra.validate import check_declared_shapes
 from ortpass.training import build
-from ortpass.training.detached_weights import PLACEHOLDER, detach, reattach, without_detached
+from ortpass.training.detached_weights import PLACEHOLDER, reattach, serialize_detached, without_detached
 
 
 def _mlp_model() -> ir.Model:
@@ -42,8 +44,7 @@ def _mlp_model() -> ir.Model:
 
 def test_detached_weights_are_placeholders_that_fail_loudly_and_come_back_shared():
     model = _mlp_model()
-    proto = ir.to_proto(model)
-    detached = detach(proto, model, ["w1", "w2", "shape", "x"])
+    proto, detached = serialize_detached(model, ["w1", "w2", "shape", "x"])
     assert detached == {"w1", "w2"}  # graph-input parameters only; "shape" is no parameter input
     by_name = {init.name: init for init in proto.graph.initializer}
     assert [init.name for init in proto.graph.initializer] == ["w1", "w2", "shape"]  # same places
@@ -60,8 +61,7 @@ def test_detached_weights_are_placeholders_that_fail_loudly_and_come_back_shared
 
 def test_reattach_refuses_a_placeholder_left_without_its_value():
     model = _mlp_model()
-    proto = ir.to_proto(model)
-    detached = detach(proto, model, ["w1", "w2"])
+    proto, detached = serialize_detached(model, ["w1", "w2"])
     training = ir.from_proto(proto)
     with pytest.raises(Exception, match="lost their values"):
         reattach(training, model, detached - {"w2"})
@@ -69,8 +69,7 @@ def test_reattach_refuses_a_placeholder_left_without_its_value():
 
 def test_shape_inference_runs_without_the_placeholders_and_puts_them_back_in_place():
     model = _mlp_model()
-    proto = ir.to_proto(model)
-    detached = detach(proto, model, ["w1", "w2"])
+    proto, detached = serialize_detached(model, ["w1", "w2"])
     seen = []
 
     def infer(p):
@@ -88,7 +87,7 @@ def test_shape_inference_runs_without_the_placeholders_and_puts_them_back_in_pla
 def _training_graph(model: ir.Model, monkeypatch, *, detaching: bool) -> bytes:
     with monkeypatch.context() as patch:
         if not detaching:
-            patch.setattr(build, "detach", lambda proto, model, names: set())
+            patch.setattr(build, "serialize_detached", lambda model, names: (ir.to_proto(model), set()))
         training = build.build_training_graph(model, params=["w1", "w2"], loss="loss", ort_fusions=True)
     return ir.to_proto(training).SerializeToString()
 
@@ -97,13 +96,14 @@ def test_the_gradient_build_gives_the_same_bytes_with_the_weights_detached(monke
     pytest.importorskip("onnxruntime.training")
     model = _mlp_model()
     calls = []
-    real = build.detach
+    real = build.serialize_detached
 
-    def recording(proto, model, names):
-        calls.append(real(proto, model, names))
-        return calls[-1]
+    def recording(model, names):
+        proto, detached = real(model, names)
+        calls.append(detached)
+        return proto, detached
 
-    monkeypatch.setattr(build, "detach", recording)
+    monkeypatch.setattr(build, "serialize_detached", recording)
     detached = _training_graph(model, monkeypatch, detaching=True)
     assert calls == [{"w1", "w2"}]
     assert detached == _training_graph(model, monkeypatch, detaching=False)
@@ -124,6 +124,39 @@ def test_the_weightless_proto_is_the_model_but_the_floating_point_input_initiali
         bare.graph.inputs.remove(bare.graph.initializers[name])
     assert proto_without_weights(bare) == ir.to_proto(bare)
 
+
+
+def test_placeholders_keep_every_initializer_in_place_without_the_weights_bytes():
+    model = _mlp_model()
+    big = np.ones((4096, 6), dtype=np.float32)  # 96 KiB that must not be serialized
+    model.graph.initializers["w1"].const_value = ir.tensor(big, name="w1")
+    model.graph.initializers["w1"].shape = ir.Shape([4096, 6])
+    full = ir.to_proto(model)
+    proto, placeholders = proto_with_placeholders(model)
+    assert placeholders == {"w1", "w2"}
+    assert [init.name for init in proto.graph.initializer] == ["w1", "w2", "shape"]
+    assert proto.ByteSize() < 4096 and full.ByteSize() > big.nbytes
+    by_name = {init.name: init for init in proto.graph.initializer}
+    assert list(by_name["w1"].dims) == [4096, 6] and by_name["w1"].data_type == onnx.TensorProto.FLOAT
+    assert by_name["w1"].external_data[0].value == PLACEHOLDER
+    assert by_name["shape"] == {init.name: init for init in full.graph.initializer}["shape"]
+    for field in ("node", "input", "output", "value_info"):
+        assert getattr(full.graph, field) == getattr(proto.graph, field), field
+    # Only those named, and never a weight that is no graph input: serialized as before.
+    assert proto_with_placeholders(model, ["w2"])[1] == {"w2"}
+    bare = ir.from_proto(full)
+    bare.graph.inputs.remove(bare.graph.initializers["w1"])
+    assert proto_with_placeholders(bare)[1] == {"w2"}
+
+
+def test_a_placeholder_declared_with_other_dims_is_refused_by_the_shape_check():
+    """A placeholder keeps its dims, so the up-front shape check still compares them with
+    their declaration (fires on a wrong one, not on the right one)."""
+    model = _mlp_model()
+    check_declared_shapes(proto_with_placeholders(model)[0])  # consistent: accepted
+    model.graph.initializers["w2"].shape = ir.Shape([12, 5])  # declared otherwise than held
+    with pytest.raises(ModelLoadError, match=r"initializer 'w2' holds a tensor of shape \[12, 3\]"):
+        check_declared_shapes(proto_with_placeholders(model)[0])
 
 def test_internal_dims_are_bound_as_before_without_the_weights(monkeypatch):
     """``unk`` dims computed from a shape the int64 constant gives (kept), and from the

@@ -8,6 +8,8 @@ is a backward node that is not a recompute clone of a forward one.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import onnx_ir as ir
 
 from ortpass.analysis.memory import is_alias_node
@@ -15,7 +17,7 @@ from ortpass.analysis.partition import is_backward
 from ortpass.conventions import CREATED_BY_KEY, RECOMPUTE_OF_KEY, SIDE_KEY
 from ortpass.graph.names import NameAllocator
 
-__all__ = ["LATE_SUFFIX", "feeds", "gated_partner", "is_gradient_node", "late_copy", "reads_output_of", "same_shape"]
+__all__ = ["LATE_SUFFIX", "feeds", "gated_partner", "is_gradient_node", "late_copy", "readers_through_views", "same_shape"]
 
 LATE_SUFFIX = "_late"
 
@@ -64,17 +66,24 @@ def late_copy(node: ir.Node, names: NameAllocator, created_by: str) -> ir.Node:
     )
 
 
-def reads_output_of(nodes, node: ir.Node) -> bool:
-    """A member of ``nodes`` reads an output of ``node``, directly or through views."""
-    for member in nodes:
-        for value in member.inputs:
-            producer = value.producer() if value is not None else None
-            while producer is not None and producer is not node and is_alias_node(producer):
-                value = producer.inputs[0]
+def readers_through_views(groups: Sequence[Sequence[ir.Node]]) -> dict[ir.Node, list[int]]:
+    """For each node, the indices (ascending) of the ``groups`` with a member that reads one
+    of its outputs, directly or through views: one walk over the groups' inputs, where
+    asking group by group for each node would be quadratic in the graph's depth."""
+    readers: dict[ir.Node, list[int]] = {}
+    for index, group in enumerate(groups):
+        for member in group:
+            for value in member.inputs:
                 producer = value.producer() if value is not None else None
-            if producer is node:
-                return True
-    return False
+                while producer is not None:
+                    found = readers.setdefault(producer, [])
+                    if not found or found[-1] != index:
+                        found.append(index)
+                    if not is_alias_node(producer):
+                        break
+                    value = producer.inputs[0]
+                    producer = value.producer() if value is not None else None
+    return readers
 
 
 def feeds(node: ir.Node, target: ir.Node, position: dict[ir.Node, int]) -> bool:

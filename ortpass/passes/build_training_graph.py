@@ -15,6 +15,7 @@ import onnx_ir as ir
 
 from ortpass.analysis.partition import get_partition, is_training_graph
 from ortpass.conventions import TRAINING_GRAPH
+from ortpass.graph.weightless import proto_with_placeholders
 from ortpass.infra.base import OrtFunctionalPass
 from ortpass.infra.metadata import get_export_info
 from ortpass.infra.registry import register_pass
@@ -60,7 +61,7 @@ class BuildTrainingGraphPass(OrtFunctionalPass):
         or recorded at export), and its graph structure."""
         if is_training_graph(model):
             return  # requires() refuses it, naming why
-        proto = ir.to_proto(model)
+        proto, _ = proto_with_placeholders(model)  # checks read a weight's type and dims, not its bytes
         check_for_gradient_build(model, self.params, proto=proto)
         if self.params is None:
             check_recorded_params(model)

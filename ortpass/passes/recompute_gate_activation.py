@@ -33,7 +33,7 @@ from typing import Sequence
 
 import onnx_ir as ir
 
-from ortpass.analysis.gated_mlp import feeds, gated_partner, is_gradient_node, late_copy, reads_output_of, same_shape
+from ortpass.analysis.gated_mlp import feeds, gated_partner, is_gradient_node, late_copy, readers_through_views, same_shape
 from ortpass.analysis.ort_order import leaf_units
 from ortpass.analysis.partition import is_backward
 from ortpass.graph.names import NameAllocator
@@ -73,7 +73,8 @@ class RecomputeGateActivationPass(OrtPass):
         if not copies:
             return ir.passes.PassResult(model, modified=False)
         units = leaf_units(nodes)
-        moves = [_leaves_to_move(units, position, first=gradient, then=product) for _, gradient, product in copies]
+        readers = readers_through_views(units)
+        moves = [_leaves_to_move(units, readers, position, first=gradient, then=product) for _, gradient, product in copies]
         names = NameAllocator.of_graph(graph)
         for activation, gradient, product in copies:
             copy = late_copy(activation, names, self.name)
@@ -119,15 +120,18 @@ def _partner_products(activation: ir.Node, gradient: ir.Node, position: dict[ir.
 
 
 def _leaves_to_move(
-    units: list[list[ir.Node]], position: dict[ir.Node, int], *, first: ir.Node, then: ir.Node
+    units: list[list[ir.Node]], readers: dict[ir.Node, list[int]], position: dict[ir.Node, int], *,
+    first: ir.Node, then: ir.Node,
 ) -> tuple[ir.Node | None, list[list[ir.Node]]]:
-    """The backward leaves (``units``: :func:`leaf_units`) that read ``then``'s outputs and
+    """The backward leaves (``units``: :func:`leaf_units`, ``readers``: which read whose
+    outputs, :func:`readers_through_views`) that read ``then``'s outputs and
     sit after the first leaf that reads ``first``'s, with that leaf's first node: moved to
     just before it, they come earlier in graph order and ORT's walk (last leaf first) runs
     ``first``'s leaves before them.  None where they already come first, where ``first``
     feeds no leaf, or where a leaf reads a value produced after the place."""
-    first_units = [u for u in units if reads_output_of(u, first)]
-    then_units = [u for u in units if reads_output_of(u, then) and u not in first_units]
+    first_indices = readers.get(first, [])
+    first_units = [units[i] for i in first_indices]
+    then_units = [units[i] for i in readers.get(then, []) if i not in first_indices]  # a few indices
     if not first_units or not then_units:
         return None, []
     place = min((u[0] for u in first_units), key=position.__getitem__)

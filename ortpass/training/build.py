@@ -34,7 +34,7 @@ from ortpass.graph.schemas import register_ort_schemas
 from ortpass.infra.metadata import get_export_info
 from ortpass.infra.validate import check_for_gradient_build
 from ortpass.training.backend import require_training_build
-from ortpass.training.detached_weights import detach, reattach, without_detached
+from ortpass.training.detached_weights import reattach, serialize_detached, without_detached
 from ortpass.training.forward_checks import (
     check_forward_model,
     check_recorded_params,
@@ -112,15 +112,14 @@ def build_training_graph(
     if params is None:
         check_recorded_params(model)
     export_info = get_export_info(model)
-    proto = ir.to_proto(model)
+    # The weights that are graph inputs (ORTModule's) travel as placeholders to the end.
+    proto, detached = serialize_detached(model, params if params is not None else export_info.get("params"))
     loss, outputs_with_grad = resolve_loss_or_outputs(proto, export_info, loss, outputs_with_grad)
     params = resolve_params(proto, params if params is not None else export_info.get("params"))
     inputs_with_grad = resolve_differentiated_inputs(
         proto, inputs_with_grad if inputs_with_grad is not None else export_info.get("inputs_with_grad", []), params
     )
     check_forward_model(proto, loss)
-    # The weights that are graph inputs (ORTModule's) travel as placeholders to the end.
-    detached = detach(proto, model, params)
     if any(node.op_type == "PythonOp" for node in proto.graph.node):
         from ortpass.pythonop import (
             bridge,  # only models with PythonOps need torch here

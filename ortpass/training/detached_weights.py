@@ -10,9 +10,9 @@ graph input: ORT treats such an initializer as an overridable default, never a c
 (no folding, no fusion reads it), and shape inference takes its type and shape from the
 input's declaration.
 
-So :func:`detach` leaves those initializers where they are, with their type and dims,
-but their data replaced by a reference to external data that does not exist
-(``location`` :data:`PLACEHOLDER`): ORT's tools keep them as initializers, in the same
+So :func:`serialize_detached` serializes those initializers where they are, with their
+type and dims, but their data a reference to external data that does not exist
+(``location`` :data:`PLACEHOLDER`), without ever copying their bytes: ORT's tools keep them as initializers, in the same
 place, and one that did try to read one would fail on the missing file rather than
 compute with wrong values.  The Python shape inferences (ORT's symbolic one, onnx's)
 check every initializer's external file, so they run without the detached ones
@@ -30,39 +30,20 @@ import onnx
 import onnx_ir as ir
 
 from ortpass.errors import TrainingGraphError
+from ortpass.graph.weightless import PLACEHOLDER, proto_with_placeholders
 
-__all__ = ["PLACEHOLDER", "detach", "reattach", "without_detached"]
+__all__ = ["PLACEHOLDER", "reattach", "serialize_detached", "without_detached"]
 
 logger = logging.getLogger(__name__)
 
-#: The external-data location a detached initializer points to: a relative path that no
-#: tool is meant to open (the data is put back from the forward model after the build).
-PLACEHOLDER = "__ortpass_detached_weight__/never-read"
-
-_DATA_FIELDS = ("raw_data", "float_data", "int32_data", "string_data", "int64_data", "double_data", "uint64_data")
 
 
-def detach(proto: onnx.ModelProto, model: ir.Model, names) -> set[str]:
-    """Drop the data of the initializers of ``proto`` named in ``names`` that are graph
-    inputs too, where ``model`` (the forward model ``proto`` was serialized from) holds
-    the same tensor to put back; return the names detached."""
-    inputs = {value.name for value in proto.graph.input}
-    wanted = set(names) & inputs
-    detached = set()
-    for init in proto.graph.initializer:
-        if init.name not in wanted or init.data_location == onnx.TensorProto.EXTERNAL:
-            continue
-        value = model.graph.initializers.get(init.name)
-        if value is None or value.const_value is None:
-            continue
-        for field in _DATA_FIELDS:
-            init.ClearField(field)
-        init.data_location = onnx.TensorProto.EXTERNAL
-        entry = init.external_data.add()
-        entry.key, entry.value = "location", PLACEHOLDER
-        detached.add(init.name)
+def serialize_detached(model: ir.Model, names) -> tuple[onnx.ModelProto, set[str]]:
+    """``model`` serialized with the parameters named in ``names`` that are graph inputs
+    detached (their bytes never copied); returns the proto and the names detached."""
+    proto, detached = proto_with_placeholders(model, names)
     logger.debug("gradient build: %d parameters' values detached from the protos", len(detached))
-    return detached
+    return proto, detached
 
 
 def without_detached(infer: Callable[[onnx.ModelProto], onnx.ModelProto], proto: onnx.ModelProto,
