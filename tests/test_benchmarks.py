@@ -333,3 +333,13 @@ def test_first_step_times_every_phase_and_torch_compile_on_a_tiny_llama(monkeypa
     assert "| layers | nodes (training) | ortpass first call s |" in table and "Growth against the node count" in table
     first_step.plot(results, tmp_path / "first_step.png")
     assert (tmp_path / "first_step.png").stat().st_size > 0
+
+
+def test_ort_session_scaling_times_both_graphs_at_each_size(tmp_path):
+    scaling = _load("ort_session_scaling")
+    results = scaling.run(sizes=[20, 40], repeat=1)
+    rows = {(r["shape"], r["nodes"]): r for r in results["rows"]}
+    assert set(rows) == {("chain", 20), ("chain", 40), ("forward-backward", 40), ("forward-backward", 80)}
+    assert all(r["optimizers off"] > 0 and r["default"] > 0 for r in rows.values())
+    table = scaling.markdown(results)
+    assert "| forward-backward | 80 |" in table and f"ORT {results['onnxruntime']}" in table
