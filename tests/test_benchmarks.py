@@ -343,3 +343,21 @@ def test_ort_session_scaling_times_both_graphs_at_each_size(tmp_path):
     assert all(r["optimizers off"] > 0 and r["default"] > 0 for r in rows.values())
     table = scaling.markdown(results)
     assert "| forward-backward | 80 |" in table and f"ORT {results['onnxruntime']}" in table
+
+
+@pytest.mark.stock
+def test_pythonop_call_times_the_function_pair_on_the_installed_runtime(monkeypatch):
+    """The side this environment holds: the training build's PythonOp through ortpass's
+    bridge, or stock's Python op through onnxruntime-extensions (with its own list hook)."""
+    import importlib.util
+
+    monkeypatch.setenv("ORTPASS_BENCH_TINY", "1")  # read at import: two sizes, three steps
+    pythonop_call = _load("pythonop_call")
+    side = "training" if importlib.util.find_spec("onnxruntime.training") is not None else "stock"
+    result = pythonop_call._measure_side(side)
+    assert result["side"] == side and [row["elements"] for row in result["rows"]] == [2, 2000]
+    for row in result["rows"]:
+        assert row["step_without_s"] > 0 and row["step_with_s"] > 0
+        assert row["call_pair_us"] == pytest.approx((row["step_with_s"] - row["step_without_s"]) * 1e6)
+        assert ("call_pair_lists_us" in row) == (side == "stock")
+    assert "| 2,000 |" in pythonop_call._markdown([result])
