@@ -150,6 +150,35 @@ def test_two_forwards_then_their_backwards_in_either_order():
     assert kernels.live_contexts() == 0
 
 
+
+@needs_extensions
+def test_a_split_step_dropped_before_backward_releases_its_python_op_contexts():
+    """The loop computes on the outputs (a split step): a step whose outputs are kept holds
+    its Python ops' contexts until its backward, which releases them; a step dropped
+    before backward (a skipped step) releases them when torch frees it, not never."""
+    import gc
+
+    torch.manual_seed(2)
+    model = Model()
+    wrapped = ORTModule(model, builder="torch", differentiate="outputs")
+    x, labels = next(_batches((4,)))
+    before = kernels.live_contexts()
+    kept = wrapped(x, labels)
+    assert wrapped.transitions.current_graph.kind == "split"
+    assert kernels.live_contexts() == before + 2  # two Functions' forwards wait for their backward
+    dropped = wrapped(x, labels)
+    assert kernels.live_contexts() == before + 4
+    del dropped
+    gc.collect()
+    assert kernels.live_contexts() == before + 2  # the dropped step's went, the kept step's stay
+    kept.backward()
+    expected = torch.autograd.grad(model(x, labels), list(model.parameters()))
+    for p, e in zip(model.parameters(), expected):
+        torch.testing.assert_close(p.grad, e, rtol=1e-5, atol=1e-6)
+    del kept
+    gc.collect()
+    assert kernels.live_contexts() == before
+
 def test_a_traceable_function_stays_in_the_graph():
     class Doubled(torch.autograd.Function):
         @staticmethod

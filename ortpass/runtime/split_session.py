@@ -40,6 +40,8 @@ class SplitTrainingSession:
 
     Attributes:
         outputs: what :meth:`run_forward` returns first (the graph's forward outputs).
+        context_positions: where the stash :meth:`run_forward` returns holds a Python op's
+            forward context handle (graphs of the torch builder), which its backward releases.
         gradients: what :meth:`run_backward` returns (gradient output names, in order).
         seeds: output -> the graph input its gradient is fed to (graphs built from outputs).
     """
@@ -52,6 +54,7 @@ class SplitTrainingSession:
         self.info = get_training_info(model)
         graphs = split_training_graph(model)
         self.outputs, self.stashed, self.gradients = graphs.outputs, graphs.stashed, graphs.gradients
+        self.context_positions = _context_positions(graphs.forward, self.stashed)
         self.seeds = dict(self.info.seeds)
         self._output_set = set(self.outputs)
         initializers = model.graph.initializers
@@ -129,6 +132,17 @@ class SplitTrainingSession:
             {name: v.numpy() for name, v in zip(self.outputs, outputs)},
             {name: v.numpy() for name, v in zip(self.gradients, gradients)},
         )
+
+
+def _context_positions(forward: Any, stashed: Sequence[str]) -> list[int]:
+    """Where in the stash the torch builder's Python ops keep their forward context handles
+    (:mod:`ortpass.training.python_op_kernels`): the first output of each forward op."""
+    if not any(n.domain.startswith("ortpass.python_op.") for n in forward.graph.node):
+        return []  # no Python op: torch need not be imported
+    from ortpass.training.python_ops import FORWARD_PREFIX, is_python_op
+
+    handles = {n.output[0] for n in forward.graph.node if is_python_op(n) and n.op_type.startswith(FORWARD_PREFIX)}
+    return [position for position, name in enumerate(stashed) if name in handles]
 
 
 def _elem_type(ort_type: str) -> int:

@@ -46,7 +46,7 @@ import torch
 from ortpass.errors import OrtpassError
 from ortpass.training.python_ops import DOMAIN_PREFIX, FORWARD_PREFIX, op_domain, OpaqueCall, is_python_op, is_python_op_type, opaque_call
 
-__all__ = ["live_contexts", "prepare", "take_failure", "uses_python_ops"]
+__all__ = ["live_contexts", "prepare", "release", "take_failure", "uses_python_ops"]
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +113,14 @@ def take_failure() -> BaseException | None:
 def live_contexts() -> int:
     """How many forward contexts wait for their backward."""
     return len(_contexts)
+
+
+def release(handles) -> int:
+    """Drop the forward contexts under ``handles`` that no backward took (a step dropped
+    before its backward ran); returns how many there were.  Handles are never reused, so
+    one whose backward ran is simply gone."""
+    with _lock:
+        return sum(_contexts.pop(int(handle), None) is not None for handle in handles)
 
 
 _PYOP_TYPES = {

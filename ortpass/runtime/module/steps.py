@@ -22,6 +22,7 @@ forward, as torch's own saved tensors do: backward would read the new values.
 from __future__ import annotations
 
 import functools
+import weakref
 
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -198,6 +199,8 @@ class SplitRun:
     def forward(self):
         session = self.graph.session
         outputs, self._stash = session.run_forward(self.feeds)
+        if session.context_positions:
+            self._release_contexts_if_dropped([self._stash[i] for i in session.context_positions])
         by_name = dict(zip(session.outputs, (to_torch(v) for v in outputs)))
         self.module._update_batch_norms(
             self.graph, [by_name[n] for bn in self.graph.batch_norms for n in bn.outputs()]
@@ -206,6 +209,16 @@ class SplitRun:
 
     def stash_freed(self) -> bool:
         return self._stash is None
+
+    def _release_contexts_if_dropped(self, handles: list) -> None:
+        """The Python ops' forward contexts (the torch builder's) are released by their
+        backward; a step dropped before backward (its outputs discarded: a skipped step, a
+        forward with grad whose loss is never used) would keep them, and every tensor
+        their Functions saved, for good.  They go when this run does: torch frees the
+        step's autograd nodes, which hold it, once its outputs are gone."""
+        from ortpass.training import python_op_kernels
+
+        weakref.finalize(self, python_op_kernels.release, [int(h.numpy()) for h in handles])
 
     def backward_head(self, seeds: list[torch.Tensor]) -> dict:
         names = [self.graph.outputs[i] for i in self.differentiated]
