@@ -361,3 +361,22 @@ def test_pythonop_call_times_the_function_pair_on_the_installed_runtime(monkeypa
         assert row["call_pair_us"] == pytest.approx((row["step_with_s"] - row["step_without_s"]) * 1e6)
         assert ("call_pair_lists_us" in row) == (side == "stock")
     assert "| 2,000 |" in pythonop_call._markdown([result])
+
+
+@pytest.mark.stock
+@pytest.mark.slow
+def test_label_gather_torch_builder_measures_every_row_with_the_same_loss(monkeypatch):
+    """The smallest GPT-2 with padded labels: the gathered rows name the loss they gathered,
+    the others none, and every row computes torch eager's loss (the gather drops only
+    ignored rows)."""
+    monkeypatch.setenv("ORTPASS_BENCH_TINY", "1")  # read by the script and by its children
+    label_gather = _load("label_gather_torch_builder")
+    results = label_gather.run(["gpt2"], steps=1, layers=1, vocab=64)
+    rows = results["models"]["gpt2"]["rows"]
+    assert list(rows) == [key for key, _, _, _ in label_gather.CONFIGS]
+    for key, _, gather, _ in label_gather.CONFIGS:
+        assert rows[key]["loss"] == pytest.approx(rows["torch"]["loss"], rel=1e-5), key
+        if gather is not None:
+            assert bool(rows[key]["gathered"]) == gather, key
+    assert set(results["models"]["gpt2"]["alternating"]) == {"pipeline", "alone"}
+    assert "| torch builder, no passes, label gather |" in label_gather.markdown(results)
