@@ -13,7 +13,7 @@ from ortpass.errors import ModelLoadError
 from ortpass.graph.weightless import proto_with_placeholders, proto_without_weights
 from ortpass.infra.validate import check_declared_shapes
 from ortpass.training import build
-from ortpass.training.detached_weights import PLACEHOLDER, reattach, serialize_detached, without_detached
+from ortpass.training.detached_weights import PLACEHOLDER, reattach, without_detached
 
 
 def _mlp_model() -> ir.Model:
@@ -44,7 +44,7 @@ def _mlp_model() -> ir.Model:
 
 def test_detached_weights_are_placeholders_that_fail_loudly_and_come_back_shared():
     model = _mlp_model()
-    proto, detached = serialize_detached(model, ["w1", "w2", "shape", "x"])
+    proto, detached = proto_with_placeholders(model, ["w1", "w2", "shape", "x"])
     assert detached == {"w1", "w2"}  # graph-input parameters only; "shape" is no parameter input
     by_name = {init.name: init for init in proto.graph.initializer}
     assert [init.name for init in proto.graph.initializer] == ["w1", "w2", "shape"]  # same places
@@ -61,7 +61,7 @@ def test_detached_weights_are_placeholders_that_fail_loudly_and_come_back_shared
 
 def test_reattach_refuses_a_placeholder_left_without_its_value():
     model = _mlp_model()
-    proto, detached = serialize_detached(model, ["w1", "w2"])
+    proto, detached = proto_with_placeholders(model, ["w1", "w2"])
     training = ir.from_proto(proto)
     with pytest.raises(Exception, match="lost their values"):
         reattach(training, model, detached - {"w2"})
@@ -69,7 +69,7 @@ def test_reattach_refuses_a_placeholder_left_without_its_value():
 
 def test_shape_inference_runs_without_the_placeholders_and_puts_them_back_in_place():
     model = _mlp_model()
-    proto, detached = serialize_detached(model, ["w1", "w2"])
+    proto, detached = proto_with_placeholders(model, ["w1", "w2"])
     seen = []
 
     def infer(p):
@@ -87,7 +87,7 @@ def test_shape_inference_runs_without_the_placeholders_and_puts_them_back_in_pla
 def _training_graph(model: ir.Model, monkeypatch, *, detaching: bool) -> bytes:
     with monkeypatch.context() as patch:
         if not detaching:
-            patch.setattr(build, "serialize_detached", lambda model, names: (ir.to_proto(model), set()))
+            patch.setattr(build, "proto_with_placeholders", lambda model, names: (ir.to_proto(model), set()))
         training = build.build_training_graph(model, params=["w1", "w2"], loss="loss", ort_fusions=True)
     return ir.to_proto(training).SerializeToString()
 
@@ -96,14 +96,14 @@ def test_the_gradient_build_gives_the_same_bytes_with_the_weights_detached(monke
     pytest.importorskip("onnxruntime.training")
     model = _mlp_model()
     calls = []
-    real = build.serialize_detached
+    real = build.proto_with_placeholders
 
     def recording(model, names):
         proto, detached = real(model, names)
         calls.append(detached)
         return proto, detached
 
-    monkeypatch.setattr(build, "serialize_detached", recording)
+    monkeypatch.setattr(build, "proto_with_placeholders", recording)
     detached = _training_graph(model, monkeypatch, detaching=True)
     assert calls == [{"w1", "w2"}]
     assert detached == _training_graph(model, monkeypatch, detaching=False)

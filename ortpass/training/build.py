@@ -31,10 +31,11 @@ from ortpass.analysis.partition import TrainingInfo, set_training_info, tag
 from ortpass.conventions import MAX_ORT_IR_VERSION, MAX_ORT_OPSET, MS_DOMAIN, SIDE_KEY, is_onnx_domain
 from ortpass.errors import TrainingGraphError
 from ortpass.graph.schemas import register_ort_schemas
+from ortpass.graph.weightless import proto_with_placeholders
 from ortpass.infra.metadata import get_export_info
 from ortpass.infra.validate import check_for_gradient_build
 from ortpass.training.backend import require_training_build
-from ortpass.training.detached_weights import reattach, serialize_detached, without_detached
+from ortpass.training.detached_weights import reattach, without_detached
 from ortpass.training.forward_checks import (
     check_forward_model,
     check_recorded_params,
@@ -112,10 +113,11 @@ def build_training_graph(
     if params is None:
         check_recorded_params(model)
     export_info = get_export_info(model)
-    # The weights that are graph inputs (ORTModule's) travel as placeholders to the end.
-    proto, detached = serialize_detached(model, params if params is not None else export_info.get("params"))
+    params = params if params is not None else export_info.get("params")
+    proto, detached = proto_with_placeholders(model, params)  # weights that are graph inputs: placeholders to the end
+    logger.debug("gradient build: %d parameters' values detached from the protos", len(detached))
     loss, outputs_with_grad = resolve_loss_or_outputs(proto, export_info, loss, outputs_with_grad)
-    params = resolve_params(proto, params if params is not None else export_info.get("params"))
+    params = resolve_params(proto, params)
     inputs_with_grad = resolve_differentiated_inputs(
         proto, inputs_with_grad if inputs_with_grad is not None else export_info.get("inputs_with_grad", []), params
     )

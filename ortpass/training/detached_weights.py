@@ -10,12 +10,13 @@ graph input: ORT treats such an initializer as an overridable default, never a c
 (no folding, no fusion reads it), and shape inference takes its type and shape from the
 input's declaration.
 
-So :func:`serialize_detached` serializes those initializers where they are, with their
-type and dims, but their data a reference to external data that does not exist
-(``location`` :data:`PLACEHOLDER`), without ever copying their bytes: ORT's tools keep them as initializers, in the same
-place, and one that did try to read one would fail on the missing file rather than
-compute with wrong values.  The Python shape inferences (ORT's symbolic one, onnx's)
-check every initializer's external file, so they run without the detached ones
+So the build serializes those initializers where they are, with their type and dims, but
+their data a reference to external data that does not exist (``location``
+:data:`PLACEHOLDER`; :func:`ortpass.graph.weightless.proto_with_placeholders`), never
+copying their bytes: ORT's tools keep them as initializers, in the same place, and one
+that did try to read one would fail on the missing file rather than compute with wrong
+values.  The Python shape inferences (ORT's symbolic one, onnx's) check every
+initializer's external file, so they run without the detached ones
 (:func:`without_detached`; the graph inputs declare their types and shapes).
 :func:`reattach` gives the training graph the forward model's own tensors back (shared,
 not copied).  The training graph then comes out byte for byte as without detaching.
@@ -23,27 +24,15 @@ not copied).  The training graph then comes out byte for byte as without detachi
 
 from __future__ import annotations
 
-import logging
 from typing import Callable
 
 import onnx
 import onnx_ir as ir
 
 from ortpass.errors import TrainingGraphError
-from ortpass.graph.weightless import PLACEHOLDER, proto_with_placeholders
+from ortpass.graph.weightless import PLACEHOLDER
 
-__all__ = ["PLACEHOLDER", "reattach", "serialize_detached", "without_detached"]
-
-logger = logging.getLogger(__name__)
-
-
-
-def serialize_detached(model: ir.Model, names) -> tuple[onnx.ModelProto, set[str]]:
-    """``model`` serialized with the parameters named in ``names`` that are graph inputs
-    detached (their bytes never copied); returns the proto and the names detached."""
-    proto, detached = proto_with_placeholders(model, names)
-    logger.debug("gradient build: %d parameters' values detached from the protos", len(detached))
-    return proto, detached
+__all__ = ["PLACEHOLDER", "reattach", "without_detached"]
 
 
 def without_detached(infer: Callable[[onnx.ModelProto], onnx.ModelProto], proto: onnx.ModelProto,
