@@ -18,6 +18,8 @@ parameters, fetch the loss and ``<param>_grad``.  Set on every session:
   every other gradient output (bias ReduceSums) to the end of the step and keeps their
   inputs alive (``ortpass.passes.recompute``).  On the torch builder's graphs, whose weight
   gradients are ``MatMul(Transpose(x), dY)``, MatmulTransposeFusion too (779 -> 337 MiB).
+- Transformers that cannot act on the graph (quantization, convolution, ROCm) are left out:
+  each still walks the whole graph (:mod:`ortpass.runtime.idle_transformers`).
 - The log level is "error": ORT warns once per parameter kept as input and initializer.
 """
 
@@ -36,6 +38,7 @@ from ortpass.analysis.partition import get_training_info
 from ortpass.conventions import BUILDER_KEY, REPLAY_OF_KEY, SIDE_KEY, is_onnx_domain
 from ortpass.errors import OrtpassError
 from ortpass.io import load
+from ortpass.runtime.idle_transformers import idle_transformers
 from ortpass.runtime.row_adds import numpy_tensor, ortvalue_tensor, rows_added_after
 from ortpass.runtime.step_errors import raise_kept_runner_error, step_error, take_runner_error
 from ortpass.training.build import clamp_for_ort
@@ -232,9 +235,8 @@ def open_session(
         options.optimized_model_filepath = os.fspath(optimized_model_path)
     resolved = _resolve_providers(providers, ort.get_available_providers())
     try:
-        session = ort.InferenceSession(
-            proto.SerializeToString(), options, providers=resolved, disabled_optimizers=disabled_optimizers(model)
-        )
+        disabled = disabled_optimizers(model, resolved)
+        session = ort.InferenceSession(proto.SerializeToString(), options, providers=resolved, disabled_optimizers=disabled)
     except Exception as exc:
         raise OrtpassError(f"ONNX Runtime could not load the training graph: {exc}") from exc
     return session, resolved
@@ -265,10 +267,11 @@ def _check_gradient_shapes(gradients: Mapping[str, np.ndarray], params: Mapping[
             )
 
 
-def disabled_optimizers(model: ir.Model) -> list[str]:
+def disabled_optimizers(model: ir.Model, providers: Sequence[Any] = ()) -> list[str]:
     """The ORT graph transformers a session over ``model`` must not run (the torch builder's
-    graphs: also MatmulTransposeFusion, docs/design/torch-builder.md)."""
-    names = list(DISABLED_ORT_OPTIMIZERS)
+    graphs: also MatmulTransposeFusion, docs/design/torch-builder.md), and those that cannot
+    act on it on ``providers`` (:mod:`ortpass.runtime.idle_transformers`)."""
+    names = list(DISABLED_ORT_OPTIMIZERS) + idle_transformers(model, [p if isinstance(p, str) else p[0] for p in providers])
     if any(REPLAY_OF_KEY in node.metadata_props for node in model.graph):
         names += REPLAY_DISABLED_ORT_OPTIMIZERS
     if model.metadata_props.get(BUILDER_KEY) == "torch":
