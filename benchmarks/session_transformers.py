@@ -1,0 +1,157 @@
+"""ORT's session over ortpass's LLaMA training graphs, with and without the transformers that cannot act on them.
+
+``ortpass.runtime.idle_transformers`` leaves out of each session the ORT graph transformers
+whose rewrites start at ops the graph does not hold (quantization, convolution, ROCm).  This
+script measures what that saves where it matters, the first call at depth
+(``first_step.py``'s model: HF LLaMA, hidden 256, 4 heads, 2 kv heads, fused attention,
+batch 2, seq 128):
+
+- for each depth, ``ORTModule``'s first call builds the training graph into a
+  ``cache_dir`` (the graph its session opens);
+- each depth's graph is then opened in fresh processes, ``InferenceSession`` with
+  ortpass's session options and disabled transformers, with the idle ones left out
+  (``ortpass``) and run (``all run``), alternating, wall seconds of the session alone,
+  the fastest of ``--repeat`` each;
+- once per depth both write the graph ORT optimized (``optimized_model_filepath``), and
+  the record says whether the two are byte-identical.
+
+Results: ``results/session_transformers_<ORT version>.json`` / ``.md``.  Run:
+``python3 benchmarks/session_transformers.py`` (the training build; about 5 minutes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+sys.path.insert(0, str(HERE))
+import recompute_memory as rm  # noqa: E402  (the sibling benchmark's helpers; standard library only at import)
+
+LAYERS = (16, 32, 64, 80)
+VARIANTS = ("ortpass", "all run")
+
+
+def child_build(layers: int, cache_dir: str) -> dict:
+    """ORTModule's first call on first_step.py's LLaMA, its graph stored in ``cache_dir``."""
+    import torch
+
+    import first_step
+    import ortpass
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    ids, labels = first_step._batch()
+    ortpass.ORTModule(first_step.build_model("llama", layers), cache_dir=cache_dir, threads=1)(ids, labels).backward()
+    (graph,) = glob.glob(os.path.join(cache_dir, "*.onnx"))
+    return {"graph": graph}
+
+
+def child_open(path: str, variant: str, optimized_path: str) -> dict:
+    """Seconds ORT takes to open a session over ``path`` as ortpass opens it; ``variant``
+    "all run" passes only the transformers ortpass must disable, not the idle ones."""
+    import onnxruntime as ort
+
+    from ortpass.io import load
+    from ortpass.runtime.idle_transformers import idle_transformers
+    from ortpass.runtime.session import disabled_optimizers, training_options
+
+    model = load(path)
+    providers = ["CPUExecutionProvider"]
+    disabled = disabled_optimizers(model, providers)
+    idle = idle_transformers(model, providers)
+    if variant == "all run":
+        disabled = [name for name in disabled if name not in idle]
+    options = training_options(ort, runs_torch=True)
+    options.intra_op_num_threads = 1
+    if optimized_path:
+        options.optimized_model_filepath = optimized_path
+    data = Path(path).read_bytes()
+    start = time.perf_counter()
+    ort.InferenceSession(data, options, providers=providers, disabled_optimizers=disabled)
+    return {"seconds": time.perf_counter() - start, "nodes": len(model.graph), "idle": idle}
+
+
+def _child(*args: str) -> dict:
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, __file__, "--child", *args], env=env, capture_output=True, text=True,
+                          check=False, timeout=1800)  # fmt: skip
+    if done.returncode:
+        raise RuntimeError(f"child {args} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def run(layer_counts=LAYERS, repeat: int = 3) -> dict:
+    import onnxruntime as ort
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="session_transformers_") as tmp:
+        for layers in layer_counts:
+            graph = _child("build", str(layers), os.path.join(tmp, f"cache_{layers}"))["graph"]
+            optimized = {v: os.path.join(tmp, f"optimized_{layers}_{i}.onnx") for i, v in enumerate(VARIANTS)}
+            seconds: dict[str, list[float]] = {v: [] for v in VARIANTS}
+            for attempt in range(repeat):
+                for variant in VARIANTS if attempt % 2 == 0 else reversed(VARIANTS):
+                    out = _child("open", graph, variant, optimized[variant] if attempt == 0 else "")
+                    seconds[variant].append(round(out["seconds"], 3))
+            same = Path(optimized["ortpass"]).read_bytes() == Path(optimized["all run"]).read_bytes()
+            row = {"layers": layers, "nodes": out["nodes"], "idle": out["idle"], "same_optimized_graph": same,
+                   **{v: min(s) for v, s in seconds.items()}, "runs": seconds}  # fmt: skip
+            rows.append(row)
+            print(f"{layers:3d} layers {row['nodes']:6d} nodes  ortpass {row['ortpass']:.2f} s  all run "
+                  f"{row['all run']:.2f} s  same optimized graph: {same}", flush=True)  # fmt: skip
+    return {"onnxruntime": ort.__version__, "cpu_model": rm.cpu_model(), "cpus": os.cpu_count(), "repeat": repeat,
+            "load": [round(x, 2) for x in os.getloadavg()], "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "rows": rows}  # fmt: skip
+
+
+def markdown(results: dict) -> str:
+    lines = [
+        f"# ORT {results['onnxruntime']}: the session over LLaMA training graphs, idle transformers left out or run",
+        "",
+        f"Wall seconds of `InferenceSession` alone, one thread, fastest of {results['repeat']} fresh processes a "
+        f"variant, alternating; {results['cpus']} cores of {results['cpu_model']}, {results['date']}, load "
+        f"{results['load']} at the end. Graphs: `ORTModule`'s first call on first_step.py's LLaMA.",
+        "",
+        "| layers | training nodes | idle left out (ortpass) s | all run s | saved | same optimized graph |",
+        "|---:|---:|---:|---:|---:|---|",
+    ]
+    for row in results["rows"]:
+        saved = 1 - row["ortpass"] / row["all run"]
+        lines.append(f"| {row['layers']} | {row['nodes']} | {row['ortpass']:.2f} | {row['all run']:.2f} | "
+                     f"{saved:.0%} | {'yes' if row['same_optimized_graph'] else 'NO'} |")  # fmt: skip
+    if results["rows"]:
+        lines += ["", f"Left out: {', '.join(results['rows'][0]['idle'])}."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--child"]:
+        kind, *rest = argv[1:]
+        out = child_build(int(rest[0]), rest[1]) if kind == "build" else child_open(*rest)
+        print(json.dumps(out))
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", nargs="+", type=int, default=list(LAYERS))
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--out", help="the record's path without suffix (default results/session_transformers_<ORT version>)")
+    args = parser.parse_args(argv)
+    results = run(args.layers, args.repeat)
+    stem = Path(args.out or RESULTS / f"session_transformers_{results['onnxruntime']}")
+    stem.parent.joinpath(f"{stem.name}.json").write_text(json.dumps(results, indent=1))
+    text = markdown(results)
+    stem.parent.joinpath(f"{stem.name}.md").write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
