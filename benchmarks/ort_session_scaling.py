@@ -21,7 +21,6 @@ reuse and patterns off (as ortpass's training sessions run).  Results go to
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -117,11 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", help="the record's path without suffix (default results/ort_session_scaling_<ORT version>)")
     args = parser.parse_args(argv)
     results = run(args.sizes, args.repeat)
-    stem = Path(args.out or RESULTS / f"ort_session_scaling_{results['onnxruntime']}")
-    stem.parent.joinpath(f"{stem.name}.json").write_text(json.dumps(results, indent=1))  # the version's dots are no suffix
-    text = markdown(results)
-    stem.parent.joinpath(f"{stem.name}.md").write_text(text + "\n")
-    print(text)
+    rm.record(Path(args.out or RESULTS / f"ort_session_scaling_{results['onnxruntime']}"), results, markdown(results))
 
 
 if __name__ == "__main__":

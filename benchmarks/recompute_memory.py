@@ -621,9 +621,10 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def record(stem: Path, results: dict, text: str) -> None:
-    """Write ``<stem>.json`` and ``<stem>.md`` (the benchmarks' recorded results); print the table."""
-    stem.with_suffix(".json").write_text(json.dumps(results, indent=1))
-    stem.with_suffix(".md").write_text(text + "\n")
+    """Write ``<stem>.json`` and ``<stem>.md`` (the benchmarks' recorded results); print the table.
+    A dot in the stem's name (an ORT version) stays part of it."""
+    Path(f"{stem}.json").write_text(json.dumps(results, indent=1))
+    Path(f"{stem}.md").write_text(text + "\n")
     print(text)
 
 

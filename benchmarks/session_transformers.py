@@ -25,7 +25,6 @@ import argparse
 import glob
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -80,27 +79,20 @@ def child_open(path: str, variant: str, optimized_path: str) -> dict:
     return {"seconds": time.perf_counter() - start, "nodes": len(model.graph), "idle": idle}
 
 
-def _child(*args: str) -> dict:
-    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, __file__, "--child", *args], env=env, capture_output=True, text=True,
-                          check=False, timeout=1800)  # fmt: skip
-    if done.returncode:
-        raise RuntimeError(f"child {args} failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def run(layer_counts=LAYERS, repeat: int = 3) -> dict:
     import onnxruntime as ort
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="session_transformers_") as tmp:
         for layers in layer_counts:
-            graph = _child("build", str(layers), os.path.join(tmp, f"cache_{layers}"))["graph"]
+            cache_dir = os.path.join(tmp, f"cache_{layers}")
+            graph = rm._run_child("build", str(layers), cache_dir, script=__file__, timing=True)["graph"]
             optimized = {v: os.path.join(tmp, f"optimized_{layers}_{i}.onnx") for i, v in enumerate(VARIANTS)}
             seconds: dict[str, list[float]] = {v: [] for v in VARIANTS}
             for attempt in range(repeat):
                 for variant in VARIANTS if attempt % 2 == 0 else reversed(VARIANTS):
-                    out = _child("open", graph, variant, optimized[variant] if attempt == 0 else "")
+                    written = optimized[variant] if attempt == 0 else ""
+                    out = rm._run_child("open", graph, variant, written, script=__file__, timing=True)
                     seconds[variant].append(round(out["seconds"], 3))
             same = Path(optimized["ortpass"]).read_bytes() == Path(optimized["all run"]).read_bytes()
             row = {"layers": layers, "nodes": out["nodes"], "idle": out["idle"], "same_optimized_graph": same,
@@ -146,11 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", help="the record's path without suffix (default results/session_transformers_<ORT version>)")
     args = parser.parse_args(argv)
     results = run(args.layers, args.repeat)
-    stem = Path(args.out or RESULTS / f"session_transformers_{results['onnxruntime']}")
-    stem.parent.joinpath(f"{stem.name}.json").write_text(json.dumps(results, indent=1))
-    text = markdown(results)
-    stem.parent.joinpath(f"{stem.name}.md").write_text(text + "\n")
-    print(text)
+    rm.record(Path(args.out or RESULTS / f"session_transformers_{results['onnxruntime']}"), results, markdown(results))
 
 
 if __name__ == "__main__":
