@@ -18,8 +18,7 @@ parameters, fetch the loss and ``<param>_grad``.  Set on every session:
   every other gradient output (bias ReduceSums) to the end of the step and keeps their
   inputs alive (``ortpass.passes.recompute``).  On the torch builder's graphs, whose weight
   gradients are ``MatMul(Transpose(x), dY)``, MatmulTransposeFusion too (779 -> 337 MiB).
-- Transformers that cannot act on the graph (quantization, convolution, ROCm) are left out:
-  each still walks the whole graph (:mod:`ortpass.runtime.idle_transformers`).
+- Transformers that cannot act on the graph are left out (:mod:`ortpass.runtime.idle_transformers`).
 - The log level is "error": ORT warns once per parameter kept as input and initializer.
 """
 
@@ -39,6 +38,7 @@ from ortpass.conventions import BUILDER_KEY, REPLAY_OF_KEY, SIDE_KEY, is_onnx_do
 from ortpass.errors import OrtpassError
 from ortpass.io import load
 from ortpass.runtime.idle_transformers import idle_transformers
+from ortpass.runtime.ort_values import independent
 from ortpass.runtime.row_adds import numpy_tensor, ortvalue_tensor, rows_added_after
 from ortpass.runtime.step_errors import raise_kept_runner_error, step_error, take_runner_error
 from ortpass.training.build import clamp_for_ort
@@ -247,7 +247,7 @@ def run_with_ort_values(session: Any, feeds: Mapping[str, Any], fetch: Sequence[
     PythonOp's torch error, which ORT reports only as a generic one)."""
     take_runner_error()
     try:
-        values = list(session._sess.run_with_ort_values(dict(feeds), list(fetch), None))
+        values = independent(session._sess.run_with_ort_values(dict(feeds), list(fetch), None))
     except Exception as exc:
         raise step_error(exc) from exc
     raise_kept_runner_error()  # a Python op's kernel keeps its error (onnxruntime-extensions would abort)

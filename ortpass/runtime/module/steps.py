@@ -21,7 +21,6 @@ forward, as torch's own saved tensors do: backward would read the new values.
 
 from __future__ import annotations
 
-import functools
 import weakref
 
 from typing import TYPE_CHECKING, Any, Callable, Sequence
@@ -141,25 +140,19 @@ class SplitHead(torch.autograd.Function):
 
 
 def to_ortvalue(t: torch.Tensor):
-    """A C-level OrtValue over ``t``'s memory (DLPack).  onnxruntime up to 1.31 takes
-    ``from_dlpack(capsule, is_bool)`` and reads bools as bytes; 1.32 takes the capsule
-    alone and reads DLPack's bool type (both measured)."""
+    """A C-level OrtValue over ``t``'s memory (DLPack; bools as
+    :func:`~ortpass.runtime.ort_values.from_dlpack_takes_is_bool` says)."""
     from onnxruntime.capi import _pybind_state as C
+
+    from ortpass.runtime.ort_values import from_dlpack_takes_is_bool
 
     t = t.detach()
     if not t.is_contiguous():
         t = t.contiguous()
-    if _from_dlpack_takes_is_bool():
+    if from_dlpack_takes_is_bool():
         is_bool = t.dtype == torch.bool
         return C.OrtValue.from_dlpack(torch.utils.dlpack.to_dlpack(t.view(torch.uint8) if is_bool else t), is_bool)
     return C.OrtValue.from_dlpack(torch.utils.dlpack.to_dlpack(t))
-
-
-@functools.cache
-def _from_dlpack_takes_is_bool() -> bool:
-    from onnxruntime.capi import _pybind_state as C
-
-    return "is_bool" in (C.OrtValue.from_dlpack.__doc__ or "")
 
 
 def to_torch(value) -> torch.Tensor:
