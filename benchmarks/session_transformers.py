@@ -57,23 +57,21 @@ def child_build(layers: int, cache_dir: str) -> dict:
 def child_open(path: str, variant: str, optimized_path: str) -> dict:
     """Seconds ORT takes to open a session over ``path`` as ortpass opens it; ``variant``
     "all run" passes only the transformers ortpass must disable, not the idle ones."""
+    import onnx
     import onnxruntime as ort
 
     from ortpass.io import load
     from ortpass.runtime.idle_transformers import idle_transformers
     from ortpass.runtime.session import disabled_optimizers, training_options
 
-    model = load(path)
+    model, data = load(path), Path(path).read_bytes()
     providers = ["CPUExecutionProvider"]
-    disabled = disabled_optimizers(model, providers)
-    idle = idle_transformers(model, providers)
-    if variant == "all run":
-        disabled = [name for name in disabled if name not in idle]
+    idle = idle_transformers(onnx.load_from_string(data), providers)
+    disabled = disabled_optimizers(model) + ([] if variant == "all run" else idle)
     options = training_options(ort, runs_torch=True)
     options.intra_op_num_threads = 1
     if optimized_path:
         options.optimized_model_filepath = optimized_path
-    data = Path(path).read_bytes()
     start = time.perf_counter()
     ort.InferenceSession(data, options, providers=providers, disabled_optimizers=disabled)
     return {"seconds": time.perf_counter() - start, "nodes": len(model.graph), "idle": idle}

@@ -79,31 +79,57 @@ def _optimized(proto: onnx.ModelProto, disabled: list[str], tmp_path, name: str)
 
 
 def test_a_float_graph_leaves_out_the_quantization_convolution_and_rocm_transformers():
-    idle = idle_transformers(ir.serde.deserialize_model(_float_model()))
+    idle = idle_transformers(_float_model())
     assert set(QUANTIZATION_TRANSFORMERS) <= set(idle)
     assert set(CONVOLUTION_TRANSFORMERS) <= set(idle)
     assert "RocmBlasAltImpl" in idle
-    assert "RocmBlasAltImpl" not in idle_transformers(ir.serde.deserialize_model(_float_model()), ["ROCMExecutionProvider"])
+    assert "RocmBlasAltImpl" not in idle_transformers(_float_model(), ["ROCMExecutionProvider"])
 
 
 def test_a_graph_with_the_ops_a_transformer_starts_at_keeps_it():
-    quantized = idle_transformers(ir.serde.deserialize_model(_qdq_matmul_model()))
+    quantized = idle_transformers(_qdq_matmul_model())
     assert not set(QUANTIZATION_TRANSFORMERS) & set(quantized)
     assert set(CONVOLUTION_TRANSFORMERS) <= set(quantized)
-    convolution = idle_transformers(ir.serde.deserialize_model(_conv_relu_model()))
+    convolution = idle_transformers(_conv_relu_model())
     assert not set(CONVOLUTION_TRANSFORMERS) & set(convolution)
     assert set(QUANTIZATION_TRANSFORMERS) <= set(convolution)
 
 
-def test_the_session_list_keeps_ortpass_own_disabled_transformers():
-    names = disabled_optimizers(ir.serde.deserialize_model(_float_model()), ["CPUExecutionProvider"])
-    assert set(DISABLED_ORT_OPTIMIZERS) <= set(names)
-    assert "NchwcTransformer" in names
+def test_an_op_in_a_subgraph_keeps_its_transformers():
+    quantized = _qdq_matmul_model()
+    branch = helper.make_graph(list(quantized.graph.node), "branch", [], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])])
+    wrapper = _model(
+        [helper.make_node("If", ["cond"], ["y"], then_branch=branch, else_branch=branch)],
+        [helper.make_tensor_value_info("cond", TensorProto.BOOL, []), *quantized.graph.input],
+        list(quantized.graph.output),
+        list(quantized.graph.initializer),
+    )
+    assert not set(QUANTIZATION_TRANSFORMERS) & set(idle_transformers(wrapper))
+
+
+def test_the_session_is_told_what_the_graph_it_gets_can_use(monkeypatch):
+    """open_session decides from the proto ORT is given, not from the model it came from:
+    the split step's halves hold ops (packed masks' MatMulInteger) the whole graph lacks."""
+    from ortpass.runtime import session as session_module
+
+    told = {}
+
+    def inference_session(data, options, providers, disabled_optimizers):
+        told["disabled"] = disabled_optimizers
+
+    monkeypatch.setattr(ort, "InferenceSession", inference_session)
+    whole = ir.serde.deserialize_model(_float_model())
+    session_module.open_session(_qdq_matmul_model(), whole, "cpu")
+    assert set(DISABLED_ORT_OPTIMIZERS) <= set(told["disabled"])
+    assert not set(QUANTIZATION_TRANSFORMERS) & set(told["disabled"])
+    assert set(CONVOLUTION_TRANSFORMERS) <= set(told["disabled"])
+    session_module.open_session(_float_model(), whole, "cpu")
+    assert set(QUANTIZATION_TRANSFORMERS) <= set(told["disabled"])
 
 
 def test_the_graph_ort_runs_is_the_same_without_the_idle_transformers(tmp_path):
     proto = _float_model()
-    idle = idle_transformers(ir.serde.deserialize_model(proto))
+    idle = idle_transformers(proto)
     plain = _optimized(proto, list(DISABLED_ORT_OPTIMIZERS), tmp_path, "plain")
     fewer = _optimized(proto, [*DISABLED_ORT_OPTIMIZERS, *idle], tmp_path, "fewer")
     assert plain.graph.SerializeToString() == fewer.graph.SerializeToString()
@@ -136,7 +162,7 @@ def _transformer_runs(path, disabled: list[str]) -> list[str]:
 def test_ort_runs_the_idle_transformers_fewer_times(tmp_path):
     path = tmp_path / "float.onnx"
     onnx.save(_float_model(), str(path))
-    idle = idle_transformers(ir.serde.deserialize_model(_float_model()))
+    idle = idle_transformers(_float_model())
     before = _transformer_runs(path, list(DISABLED_ORT_OPTIMIZERS))
     after = _transformer_runs(path, [*DISABLED_ORT_OPTIMIZERS, *idle])
     idle_before = [name for name in before if name in idle]

@@ -8,7 +8,8 @@ HF LLaMA training graphs (ORT 1.19.2, one thread) a transformer that changed not
 those runs are transformers for kinds of graph an ortpass training graph rarely is.
 
 Rule: a transformer whose every rewrite starts at an op of a known set is left out when the
-graph holds none of those ops:
+graph ORT is given (its subgraphs and functions included; the split step's halves hold ops
+the whole training graph does not) holds none of those ops:
 
 - the quantization transformers (QDQ node units, integer and n-bit MatMuls) start at a
   quantize or dequantize op, an integer MatMul or a quantized kernel;
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-import onnx_ir as ir
+import onnx
 
 __all__ = ["CONVOLUTION_TRANSFORMERS", "QUANTIZATION_TRANSFORMERS", "idle_transformers"]
 
@@ -65,19 +66,22 @@ def _is_quantized(op_type: str) -> bool:
     )
 
 
-def _op_types(graph: ir.Graph) -> set[str]:
+def _op_types(graph: onnx.GraphProto) -> set[str]:
     types = set()
-    for node in ir.traversal.RecursiveGraphIterator(graph):
+    for node in graph.node:
         types.add(node.op_type)
+        for attr in node.attribute:
+            for subgraph in (attr.g,) if attr.type == onnx.AttributeProto.GRAPH else attr.graphs:
+                types |= _op_types(subgraph)
     return types
 
 
-def idle_transformers(model: ir.Model, providers: Iterable[str] = ()) -> list[str]:
-    """The ORT transformers that cannot act on ``model`` in a session on ``providers``
-    (see the module docstring for the rule)."""
-    op_types = _op_types(model.graph)
-    for function in model.functions.values():
-        op_types |= {node.op_type for node in function}
+def idle_transformers(proto: onnx.ModelProto, providers: Iterable[str] = ()) -> list[str]:
+    """The ORT transformers that cannot act on ``proto`` (the model a session is given) on
+    ``providers`` (see the module docstring for the rule)."""
+    op_types = _op_types(proto.graph)
+    for function in proto.functions:
+        op_types |= {node.op_type for node in function.node}
     idle: list[str] = []
     if not any(_is_quantized(op) for op in op_types):
         idle += QUANTIZATION_TRANSFORMERS

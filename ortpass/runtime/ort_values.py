@@ -10,7 +10,8 @@ backward, and a one-graph step's returned logits lived as long as its gradients
 (measured on ORT 1.19.2: freeing the logits alone freed nothing until the stash went).
 
 Rule: every tensor a run returns is taken out of the vector through DLPack (no copy: the
-new OrtValue shares the buffer), so each output lives as long as it is referenced.
+new OrtValue shares the buffer), so each output lives as long as it is referenced.  It
+costs about 2 us a value over taking them as they are (0.5 ms for 200 outputs).
 """
 
 from __future__ import annotations

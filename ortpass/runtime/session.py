@@ -235,7 +235,7 @@ def open_session(
         options.optimized_model_filepath = os.fspath(optimized_model_path)
     resolved = _resolve_providers(providers, ort.get_available_providers())
     try:
-        disabled = disabled_optimizers(model, resolved)
+        disabled = disabled_optimizers(model) + idle_transformers(proto, resolved)
         session = ort.InferenceSession(proto.SerializeToString(), options, providers=resolved, disabled_optimizers=disabled)
     except Exception as exc:
         raise OrtpassError(f"ONNX Runtime could not load the training graph: {exc}") from exc
@@ -267,11 +267,10 @@ def _check_gradient_shapes(gradients: Mapping[str, np.ndarray], params: Mapping[
             )
 
 
-def disabled_optimizers(model: ir.Model, providers: Sequence[Any] = ()) -> list[str]:
+def disabled_optimizers(model: ir.Model) -> list[str]:
     """The ORT graph transformers a session over ``model`` must not run (the torch builder's
-    graphs: also MatmulTransposeFusion, docs/design/torch-builder.md), and those that cannot
-    act on it on ``providers`` (:mod:`ortpass.runtime.idle_transformers`)."""
-    names = list(DISABLED_ORT_OPTIMIZERS) + idle_transformers(model, [p if isinstance(p, str) else p[0] for p in providers])
+    graphs: also MatmulTransposeFusion, docs/design/torch-builder.md)."""
+    names = list(DISABLED_ORT_OPTIMIZERS)
     if any(REPLAY_OF_KEY in node.metadata_props for node in model.graph):
         names += REPLAY_DISABLED_ORT_OPTIMIZERS
     if model.metadata_props.get(BUILDER_KEY) == "torch":

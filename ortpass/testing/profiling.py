@@ -24,17 +24,19 @@ def ort_execution_order(model: ir.Model, feeds: Mapping[str, np.ndarray], profil
     (ORT's default order, the same disabled optimizers)."""
     import onnxruntime as ort
 
+    from ortpass.runtime.idle_transformers import idle_transformers
     from ortpass.runtime.session import disabled_optimizers
 
     options = ort.SessionOptions()
     options.log_severity_level = 3
     options.enable_profiling = True
     options.profile_file_prefix = os.path.join(os.fspath(profile_dir), "profile")
+    proto = ir.to_proto(model)
     session = ort.InferenceSession(
-        ir.to_proto(model).SerializeToString(),
+        proto.SerializeToString(),
         options,
         providers=["CPUExecutionProvider"],
-        disabled_optimizers=disabled_optimizers(model),
+        disabled_optimizers=disabled_optimizers(model) + idle_transformers(proto),
     )
     session.run(None, dict(feeds))
     with open(session.end_profiling(), encoding="utf-8") as f:

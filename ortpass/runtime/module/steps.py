@@ -29,6 +29,7 @@ import torch
 
 from ortpass.errors import OrtpassError
 from ortpass.runtime.module.flat import INNER
+from ortpass.runtime.ort_values import from_dlpack_takes_is_bool
 
 if TYPE_CHECKING:
     from ortpass.runtime.module.graphs import BuiltGraph
@@ -143,8 +144,6 @@ def to_ortvalue(t: torch.Tensor):
     """A C-level OrtValue over ``t``'s memory (DLPack; bools as
     :func:`~ortpass.runtime.ort_values.from_dlpack_takes_is_bool` says)."""
     from onnxruntime.capi import _pybind_state as C
-
-    from ortpass.runtime.ort_values import from_dlpack_takes_is_bool
 
     t = t.detach()
     if not t.is_contiguous():
