@@ -237,13 +237,16 @@ def test_hf_memory_real_width_measures_the_wrapper_and_checkpointing_on_tiny_mod
     real_width = _load("hf_memory_real_width")
     # The CCE row is left out: its torch.compile takes ~15 s even on the tiny model.
     # LLaMA's attention is fused and recomputed: its timing run loads PythonOps from the cache.
-    results = real_width.run(["gpt2", "llama"], seq=real_width.TINY_SEQ, steps=1, only=["wrapper", "torch_ckpt"], rounds=2)
+    results = real_width.run(["gpt2", "llama"], seq=real_width.TINY_SEQ, steps=1,
+                             only=["wrapper", "wrapper_split", "torch_ckpt"], rounds=2)
     table = real_width.markdown(results)
     assert "| ortpass.ORTModule, default pipeline | " in table
+    assert "| ortpass.ORTModule, loss computed in torch from the logits | " in table
     assert "| torch + checkpointing + Cut Cross-Entropy (torch_compile impl) | not run | not run |" in table
     for family in ("gpt2", "llama"):
         configs = results["families"][family]["configs"]
-        assert list(configs) == ["wrapper", "torch_ckpt"]
+        assert list(configs) == ["wrapper", "wrapper_split", "torch_ckpt"]
+        assert f"{family}, wrapper_split: goal " in table
         assert all(c["step_seconds"] > 0 and c["step_peak_mib"] >= 0 for c in configs.values())
         # The memory run built the graph; the timing run loaded it from ORTModule's cache.
         assert configs["wrapper"]["graph_builds"] == 1 and configs["wrapper"]["timing_run_graph_builds"] == 0
@@ -252,6 +255,9 @@ def test_hf_memory_real_width_measures_the_wrapper_and_checkpointing_on_tiny_mod
             assert len(cfg["step_seconds_rounds"]) == 2 and cfg["step_seconds"] == min(cfg["step_seconds_rounds"])
         assert f"{family} step seconds by round: wrapper " in table
         assert f"{family}, wrapper: goal " in table and f"{family} first-step losses: wrapper " in table
+    # Without dropout the loop's own loss is the model's: transformers' shift, the same mean.
+    llama = results["families"]["llama"]["configs"]
+    assert llama["wrapper_split"]["loss"] == pytest.approx(llama["torch_ckpt"]["loss"], rel=1e-5)
 
 
 def test_timing_rounds_alternate_their_order_and_keep_each_rows_fastest():
