@@ -220,7 +220,10 @@ def child_wrapper(work: Path, family: str, seq: int, steps: int, loss: str = "mo
 
         def forward():
             logits = wrapped(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-            shifted = logits[:, :-1].flatten(0, 1).float()  # as transformers' causal LM loss
+            # The logits shifted, as transformers' loss did before it shifted the labels: a copy
+            # of the logits that torch_ckpt's in-model loss does not make (the rows were recorded
+            # with it; hf_memory_real_width.causal_lm_loss shifts the labels instead).
+            shifted = logits[:, :-1].flatten(0, 1).float()
             return torch.nn.functional.cross_entropy(shifted, batch["labels"][:, 1:].flatten())
     else:
         wrapped = ortpass.ORTModule(_loss_module(model), cache_dir=work / f"cache_{family}{'_fused' if fused else ''}",

@@ -650,10 +650,11 @@ def main(argv: list[str] | None = None) -> None:
                         help="labels -100 over this first fraction of each row (an instruction-tuning prompt)")
     parser.add_argument("--keep-output", action="store_true",
                         help="the loop holds the model's output (the logits) through backward, not the loss alone")
-    parser.add_argument("--only", nargs="+", choices=[key for key, _, _ in CONFIGS],
-                        help="run these configurations only; prints them and records nothing")
-    parser.add_argument("--loss-in-torch", action="store_true",
-                        help=f"run {' and '.join(LOSS_IN_TORCH)} alone, recorded apart (issue #60)")
+    rows = parser.add_mutually_exclusive_group()
+    rows.add_argument("--only", nargs="+", choices=[key for key, _, _ in CONFIGS],
+                      help="run these configurations only; prints them and records nothing")
+    rows.add_argument("--loss-in-torch", action="store_true",
+                      help=f"run {' and '.join(LOSS_IN_TORCH)} alone, recorded apart (issue #60)")
     args = parser.parse_args(argv)
     seq = TINY_SEQ if TINY else args.seq
     prompt = int(round(args.masked_prompt * seq))
