@@ -362,30 +362,57 @@ def test_weight_gradients_read_the_activation_gradient_in_place():
     check_parity(module, (x,), model, input_names=["x"]).assert_ok()
 
 
-def test_a_transpose_read_by_other_ops_or_of_higher_rank_stays():
+def test_a_transpose_read_in_place_by_gemm_or_fused_matmul_and_not_where_it_is_read_by_other_ops():
+    """Fires: a matrix's transpose (no perm, or [1, 0]) -> Gemm; a batch of square matrices
+    transposed (attention's probabilities) -> FusedMatMul; same results on ONNX Runtime.
+    Does not fire: a transpose another op reads too, one that moves a batch axis, a batch of
+    matrices that are not square, operands of different ranks."""
+    import numpy as np
+    import onnxruntime as ort
     from onnx import TensorProto, helper
 
     from ortpass.training.joint_onnx import _transposes_read_by_gemm
 
+    def transpose(source, name, perm=(0, 2, 1)):
+        return helper.make_node("Transpose", [source], [name], perm=list(perm))
+
     graph = helper.make_graph(
-        [helper.make_node("Transpose", ["a"], ["at"], perm=[1, 0]), helper.make_node("MatMul", ["at", "b"], ["y"]),
-         helper.make_node("Relu", ["at"], ["r"]),
-         helper.make_node("Transpose", ["c"], ["ct"], perm=[0, 2, 1]), helper.make_node("MatMul", ["ct", "d"], ["z"]),
-         helper.make_node("Transpose", ["e"], ["et"]), helper.make_node("MatMul", ["b", "et"], ["w"])],
+        [transpose("a", "at", (1, 0)), helper.make_node("MatMul", ["at", "b"], ["y"]), helper.make_node("Relu", ["at"], ["r"]),
+         helper.make_node("Transpose", ["e"], ["et"]), helper.make_node("MatMul", ["b", "et"], ["w"]),
+         transpose("c", "ct"), helper.make_node("MatMul", ["ct", "d"], ["z"]),
+         transpose("k", "kt"), helper.make_node("MatMul", ["ct", "kt"], ["v"]),
+         transpose("h", "ht"), helper.make_node("MatMul", ["ht", "d"], ["n"]),
+         transpose("c", "cm", (1, 0, 2)), helper.make_node("MatMul", ["cm", "f"], ["m"]),
+         transpose("c", "cr"), helper.make_node("MatMul", ["cr", "b"], ["x"])],
         "g",
         [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape)
-         for n, shape in (("a", [3, 2]), ("b", [3, 4]), ("c", [2, 3, 2]), ("d", [2, 3, 4]), ("e", [5, 4]))],
-        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("y", "r", "z", "w")],
+         for n, shape in (("a", [3, 2]), ("b", [3, 4]), ("e", [5, 4]), ("c", [2, 3, 3]), ("d", [2, 3, 4]), ("k", [2, 3, 3]),
+                          ("h", [2, 3, 2]), ("f", [3, 3, 4]))],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("y", "r", "w", "z", "v", "n", "m", "x")],
         value_info=[helper.make_tensor_value_info(n, TensorProto.FLOAT, shape)
-                    for n, shape in (("at", [2, 3]), ("ct", [2, 2, 3]), ("et", [4, 5]))],
+                    for n, shape in (("at", [2, 3]), ("et", [4, 5]), ("ct", [2, 3, 3]), ("kt", [2, 3, 3]), ("ht", [2, 2, 3]),
+                                     ("cm", [3, 2, 3]), ("cr", [2, 3, 3]))],
     )  # fmt: skip
-    model = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
-    _transposes_read_by_gemm(model.graph)
+    model = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9))
+    rng = np.random.default_rng(0)
+    feeds = {v.name: rng.standard_normal([d.dim_value for d in v.type.tensor_type.shape.dim]).astype(np.float32) for v in graph.input}
+    before = ort.InferenceSession(ir.to_proto(model).SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+    _transposes_read_by_gemm(model)
     ops = {n.outputs[0].name: n for n in model.graph}
     assert ops["y"].op_type == "MatMul"  # its transpose is read by a Relu too: the copy is made anyway
-    assert ops["z"].op_type == "MatMul"  # a batched transpose: no Gemm
     assert ops["w"].op_type == "Gemm" and ops["w"].attributes["transB"].as_int() == 1  # no perm: [1, 0] for a matrix
     assert [v.name for v in ops["w"].inputs] == ["b", "e"] and "et" not in ops
+    assert ops["z"].op_type == "FusedMatMul" and ops["z"].domain == "com.microsoft"  # a batch of square matrices
+    assert ops["z"].attributes["transA"].as_int() == 1 and "transB" not in ops["z"].attributes
+    assert ops["v"].op_type == "FusedMatMul" and [v.name for v in ops["v"].inputs] == ["c", "k"]  # both operands
+    assert {"transA", "transB"} <= set(ops["v"].attributes) and "ct" not in ops and "kt" not in ops
+    assert ops["n"].op_type == "MatMul"  # a batch of 3 x 2 matrices: the Transpose stays
+    assert ops["m"].op_type == "MatMul"  # the batch axis moves: not a transpose of each matrix
+    assert ops["x"].op_type == "MatMul"  # a batch times one matrix: different ranks
+    assert model.opset_imports["com.microsoft"] == 1
+    after = ort.InferenceSession(ir.to_proto(model).SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+    for want, got in zip(before, after):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_every_symbolic_dim_is_spelled_in_the_inputs_dims_and_the_step_is_predicted_exactly():

