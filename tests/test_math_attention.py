@@ -113,6 +113,40 @@ def test_the_backward_holds_no_where_over_the_scores(causal):
     assert any(node.op_type == "Softmax" for node in graph)
 
 
+def test_the_scale_multiplies_the_query_not_the_scores():
+    """Fires: the scale is one Mul of the query's size (forward and backward); does not: no
+    Mul of a constant scalar over batch x heads x seq x seq remains."""
+    import onnx_ir as ir
+
+    ids, keep, labels = _padded(3, 6, seed=0)
+    graph = build_training_graph_from_torch(_Attention(True), (ids, keep, labels), input_names=["ids", "keep", "labels"]).graph
+
+    def scalings(shape):
+        found = []
+        for node in graph:
+            if node.op_type != "Mul" or node.outputs[0].shape is None or list(node.outputs[0].shape) != shape:
+                continue
+            constants = [ir.convenience.get_const_tensor(v) for v in node.inputs if v is not None]
+            found += [c.numpy().item() for c in constants if c is not None and c.size == 1]
+        return found
+
+    assert scalings([3, 2, 6, 6]) == []
+    assert 0.5 in scalings([3, 2, 6, 4])  # head dim 4: the scale 1/2, once in forward and once in backward
+
+
+@pytest.mark.parametrize("head_dim", [6, 64], ids=["scale not a power of two", "head dim 64"])
+def test_the_query_scaled_first_is_torchs_at_other_head_dims(head_dim):
+    generator = torch.Generator().manual_seed(3)
+    inputs = [torch.randn(B, H, L, head_dim, generator=generator, requires_grad=True) for _ in range(3)]
+    with sdpa_kernel(SDPBackend.MATH):
+        expected = F.scaled_dot_product_attention(*inputs, is_causal=True)
+    actual = _math_attention(*inputs, is_causal=True)
+    seed = torch.randn(expected.shape, generator=generator)
+    torch.testing.assert_close(actual, expected, atol=1e-6, rtol=1e-5)
+    for got, want in zip(torch.autograd.grad(actual, inputs, seed), torch.autograd.grad(expected, inputs, seed)):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
 def test_a_padded_batch_with_queries_that_attend_to_nothing_trains_like_torch():
     from test_module_conformance import train_side_by_side
 
