@@ -112,19 +112,15 @@ def _transposes_read_by_gemm(model: ir.Model) -> None:
     is.  ORT would fuse the pair into a ``FusedMatMul``, but that node gets a new, higher
     index, and ORT's default order then runs every weight gradient at the end of the step
     (``docs/design/torch-builder.md``, so the builder's sessions disable that fusion).
-    Attention's products are batched: its backward's ``P^T dO`` transposes the
-    probabilities (batch x heads x seq x seq) for one product.
+    Attention's backward ``P^T dO`` transposes the batched seq x seq probabilities alike.
     Rule: a ``MatMul`` one or both of whose operands are ``Transpose(a)`` swapping the last
     two axes alone, read by ``MatMul`` nodes only, becomes ``Gemm`` with
     ``transA``/``transB`` where both operands are matrices, else (operands of one rank
-    above 2) ``com.microsoft::FusedMatMul`` with the same flags where each transposed
-    matrix is square, in the MatMul's place in the graph; the Transpose goes once nothing
-    reads it.  The same product: the flags transpose each matrix of the batch, and alpha 1
-    and no C add nothing.  Square only, as measured on HF LLaMA (stock onnxruntime 1.32,
-    batch 8 x 512, 2026-11-29, ORT's profiler): ``P^T dO`` fused took 7.8 ms a layer
-    against 9.9 for the Transpose and MatMul (7.5 against 9.9 run alone); a seq x head-dim
-    operand's Transpose is cheap, and the product reading it transposed was no faster
-    (``Q^T dS``: 9.1 ms against 7.7 + 0.4 in the step, 8.1 either way run alone).
+    above 2, each transposed matrix square) ``com.microsoft::FusedMatMul`` with the same
+    flags, in the MatMul's place; the Transpose goes once nothing reads it.  The same
+    product: the flags transpose each matrix of the batch, alpha 1 and no C add nothing.
+    Square only, as measured on HF LLaMA: ``P^T dO`` fused took 7.8 ms a layer against 9.9,
+    and a seq x head-dim operand's cheap Transpose fused was no faster (the design doc).
     """
     graph = model.graph
     for matmul in [n for n in graph if n.op_type == "MatMul" and n.domain in ("", "ai.onnx")]:
