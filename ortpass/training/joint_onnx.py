@@ -131,11 +131,9 @@ def _transposes_read_by_gemm(model: ir.Model) -> None:
             if source is not None:
                 flags[flag] = 1
         ranks = {_rank(v) for v in operands}
-        if not flags or len(ranks) != 1 or None in ranks:
-            continue
-        if ranks != {2} and not all(_square(v) for v, source in zip(matmul.inputs, operands) if v is not source):
-            continue
         transposed = [v for v, source in zip(matmul.inputs, operands) if v is not source]
+        if not flags or len(ranks) != 1 or None in ranks or (ranks != {2} and not all(map(_square, transposed))):
+            continue
         if ranks == {2}:
             product = ir.node("Gemm", operands, flags, name=matmul.name)
         else:
