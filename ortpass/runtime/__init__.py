@@ -1,11 +1,7 @@
 """Running training graphs on ONNX Runtime (CPU here, CUDA where it exists)."""
 
-from ortpass.runtime.session import (
-    StepResult,
-    TrainingSession,
-    dropout_mask_names,
-    with_dropout_masks,
-)
+from ortpass.runtime.dropout_masks import dropout_mask_names, with_dropout_masks
+from ortpass.runtime.session import StepResult, TrainingSession
 from ortpass.runtime.split_session import SplitTrainingSession
 from ortpass.training.backend import (  # defined a stage earlier: the gradient build needs them too
     check_single_runtime,

@@ -37,12 +37,8 @@ import numpy as np
 import onnx_ir as ir
 import torch
 
-from ortpass.runtime.session import (
-    StepResult,
-    TrainingSession,
-    forward_dropouts,
-    with_dropout_masks,
-)
+from ortpass.runtime.dropout_masks import forward_dropouts, with_dropout_masks
+from ortpass.runtime.session import StepResult, TrainingSession
 
 __all__ = ["DEFAULT_SCALE_FLOOR", "ParityResult", "check_parity", "dropout_ratios", "relative_error", "replay_dropout_masks", "torch_step"]
 
