@@ -19,6 +19,7 @@ parameters, fetch the loss and ``<param>_grad``.  Set on every session:
   inputs alive (``ortpass.passes.recompute``).  On the torch builder's graphs, whose weight
   gradients are ``MatMul(Transpose(x), dY)``, MatmulTransposeFusion too (779 -> 337 MiB).
 - Transformers that cannot act on the graph are left out (:mod:`ortpass.runtime.idle_transformers`).
+- The nodes are numbered so that ORT's priority sort stays short (:mod:`ortpass.runtime.node_numbering`).
 - The log level is "error": ORT warns once per parameter kept as input and initializer.
 """
 
@@ -34,10 +35,11 @@ import onnx
 import onnx_ir as ir
 
 from ortpass.analysis.partition import get_training_info
-from ortpass.conventions import BUILDER_KEY, REPLAY_OF_KEY, SIDE_KEY, is_onnx_domain
+from ortpass.conventions import BUILDER_KEY, REPLAY_OF_KEY
 from ortpass.errors import OrtpassError
 from ortpass.io import load
 from ortpass.runtime.idle_transformers import idle_transformers
+from ortpass.runtime.node_numbering import number_for_ort
 from ortpass.runtime.ort_values import independent
 from ortpass.runtime.row_adds import numpy_tensor, ortvalue_tensor, rows_added_after
 from ortpass.runtime.step_errors import raise_kept_runner_error, step_error, take_runner_error
@@ -50,10 +52,7 @@ __all__ = [
     "StepResult",
     "TrainingSession",
     "disabled_optimizers",
-    "dropout_mask_names",
-    "forward_dropouts",
     "training_model",
-    "with_dropout_masks",
 ]
 
 logger = logging.getLogger(__name__)
@@ -214,10 +213,12 @@ def open_session(
 ) -> tuple[Any, list[str]]:
     """An ORT session over ``proto`` (a graph of ``model``, whose rewrites decide which ORT
     optimizers stay off) with ortpass's training options, and the providers it runs on.
-    Installs the torch bridge first when the graph has PythonOps."""
+    Installs the torch bridge first when the graph has PythonOps.  ``proto`` is the
+    session's: its IR version is clamped and its nodes renumbered for ORT."""
     import onnxruntime as ort
 
     clamp_for_ort(proto)
+    number_for_ort(proto.graph)
     runs_torch = any(n.op_type in ("PythonOp", "PythonOpGrad") for n in proto.graph.node)
     if runs_torch:
         from ortpass.pythonop import bridge
@@ -276,61 +277,6 @@ def disabled_optimizers(model: ir.Model) -> list[str]:
     if model.metadata_props.get(BUILDER_KEY) == "torch":
         names.append("MatmulTransposeFusion")
     return names
-
-
-def dropout_mask_names(model: ir.Model) -> list[str]:
-    """Mask outputs of the forward Dropout nodes, in graph (= call) order.
-
-    Passes drop the masks nobody reads (``recompute``, ``replay-dropout-mask``): for those
-    models, :func:`with_dropout_masks` gives a copy that has them back.
-    """
-    names = []
-    for node in forward_dropouts(model):
-        if len(node.outputs) < 2 or not node.outputs[1].name:
-            raise OrtpassError(
-                f"Dropout {node.name!r} has no mask output (a pass dropped it); use with_dropout_masks(model)"
-            )
-        names.append(node.outputs[1].name)
-    return names
-
-
-def with_dropout_masks(model: ir.Model) -> tuple[ir.Model, list[str]]:
-    """A copy of ``model`` in which every forward Dropout outputs its mask, and the masks'
-    names in call order: for parity checks, which replay ORT's masks in torch.
-
-    A forward Dropout draws the same mask whether or not it outputs it (the kernel builds
-    the mask to apply it), and its recompute clones and replays draw that same mask again.
-    """
-    copy = model.clone()
-    taken = {v.name for n in copy.graph for v in n.outputs} | {v.name for v in copy.graph.inputs}
-    for node in forward_dropouts(copy):
-        if len(node.outputs) >= 2 and node.outputs[1].name:
-            continue
-        node.resize_outputs(2)
-        mask = node.outputs[1]
-        mask.name = _fresh_name(f"{node.outputs[0].name or node.name}_mask", taken)
-        mask.type, mask.shape = ir.TensorType(ir.DataType.BOOL), node.outputs[0].shape
-        taken.add(mask.name)
-    return copy, dropout_mask_names(copy)
-
-
-def forward_dropouts(model: ir.Model) -> list[ir.Node]:
-    """The forward Dropout nodes, in graph (= call) order."""
-    return [
-        node
-        for node in model.graph
-        if node.op_type == "Dropout"
-        and is_onnx_domain(node.domain)
-        and node.metadata_props.get(SIDE_KEY, "forward") == "forward"
-    ]
-
-
-def _fresh_name(name: str, taken: set[str]) -> str:
-    candidate, suffix = name, 0
-    while candidate in taken:
-        suffix += 1
-        candidate = f"{name}_{suffix}"
-    return candidate
 
 
 def _expose_values(proto: onnx.ModelProto, names: Sequence[str]) -> None:

@@ -20,24 +20,17 @@ _KERNEL_SUFFIX = "_kernel_time"
 
 def ort_execution_order(model: ir.Model, feeds: Mapping[str, np.ndarray], profile_dir: str | os.PathLike) -> list[str]:
     """Node names in the order one CPU run of ``model`` on ``feeds`` executed them, in a
-    session configured as :class:`ortpass.runtime.TrainingSession` configures its own
-    (ORT's default order, the same disabled optimizers)."""
+    session opened as :class:`ortpass.runtime.TrainingSession` opens its own (ORT's
+    default order, the same disabled optimizers, the same node numbering)."""
     import onnxruntime as ort
 
-    from ortpass.runtime.idle_transformers import idle_transformers
-    from ortpass.runtime.session import disabled_optimizers
+    from ortpass.runtime.session import open_session
 
     options = ort.SessionOptions()
     options.log_severity_level = 3
     options.enable_profiling = True
     options.profile_file_prefix = os.path.join(os.fspath(profile_dir), "profile")
-    proto = ir.to_proto(model)
-    session = ort.InferenceSession(
-        proto.SerializeToString(),
-        options,
-        providers=["CPUExecutionProvider"],
-        disabled_optimizers=disabled_optimizers(model) + idle_transformers(proto),
-    )
+    session, _ = open_session(ir.to_proto(model), model, "cpu", session_options=options)
     session.run(None, dict(feeds))
     with open(session.end_profiling(), encoding="utf-8") as f:
         events = json.load(f)
