@@ -351,11 +351,11 @@ def test_ort_session_scaling_times_both_graphs_at_each_size(tmp_path):
     assert "| forward-backward | 80 |" in table and f"ORT {results['onnxruntime']}" in table
 
 
-def test_session_transformers_opens_each_graph_both_ways_and_compares_what_ort_runs():
+def test_session_transformers_opens_each_graph_three_ways_and_compares_what_ort_runs():
     bench = _load("session_transformers")
     results = bench.run(layer_counts=[1], repeat=1)
     (row,) = results["rows"]
-    assert row["layers"] == 1 and row["ortpass"] > 0 and row["all run"] > 0
+    assert row["layers"] == 1 and row["ortpass"] > 0 and row["not numbered"] > 0 and row["all run"] > 0
     assert row["same_optimized_graph"] is True
     assert "QDQPropagationTransformer" in row["idle"] and "NchwcTransformer" in row["idle"]
     assert "| 1 | " in bench.markdown(results)
