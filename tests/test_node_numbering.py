@@ -140,6 +140,18 @@ def test_the_walk_order_ort_takes_between_inputs_is_kept():
     assert names.index("sin") < names.index("cos")
 
 
+def test_a_numbering_that_would_change_ort_s_order_is_not_applied(monkeypatch, caplog):
+    """The check before the graph changes: a numbering whose default order differs (here,
+    the chain's leaves swapped) leaves the graph as it was, with a warning."""
+    proto = _chain_and_early_leaves()
+    before = proto.SerializeToString()
+    monkeypatch.setattr(node_numbering, "_numbering", lambda producers: list(reversed(range(len(producers)))))
+    with caplog.at_level("WARNING", logger="ortpass.runtime.node_numbering"):
+        assert not number_for_ort(proto.graph)
+    assert proto.SerializeToString() == before
+    assert "would change ORT's execution order" in caplog.text
+
+
 def test_constant_nodes_go_first_in_their_order():
     nodes = [
         helper.make_node("Sin", ["x"], ["s"]),
