@@ -59,7 +59,7 @@ def number_for_ort(graph: onnx.GraphProto) -> bool:
     constants_first = all(node.op_type == "Constant" for node in graph.node[: len(constants)])
     if order == list(range(len(nodes))) and constants_first:
         return False
-    if [order[i] for i in _walk(_renumbered(producers, order))[1]] != _walk(producers)[1]:
+    if [order[i] for i in _walk(_renumbered(producers, order))] != _walk(producers):
         logger.warning("renumbering the nodes would change ORT's execution order; the graph keeps its order")
         return False
     reordered = constants + [nodes[i] for i in order]
@@ -91,25 +91,22 @@ def _outer_reads(node: onnx.NodeProto) -> set[str]:
     return reads
 
 
-def _walk(producers: list[list[int]]) -> tuple[list[int], list[int]]:
-    """ORT's default walk: when it enters each node, and the order it leaves them in (the
-    execution order).  The leaves start on the stack in number order; a node entered pushes
-    its producers not entered yet in number order (the last pushed is walked first)."""
-    read = [False] * len(producers)
-    for inputs in producers:
-        for p in inputs:
-            read[p] = True
-    stack = [(node, False) for node, is_read in enumerate(read) if not is_read]
-    entered, clock, order = [-1] * len(producers), 0, []
+def _walk(producers: list[list[int]]) -> list[int]:
+    """ORT's default walk: the order it leaves the nodes in (the execution order).  The
+    leaves start on the stack in number order; a node entered pushes its producers not
+    entered yet in number order (the last pushed is walked first)."""
+    readers = _successors(producers)
+    stack = [(node, False) for node, read_by in enumerate(readers) if not read_by]
+    entered, order = [False] * len(producers), []
     while stack:
         node, leaving = stack.pop()
         if leaving:
             order.append(node)
-        elif entered[node] < 0:
-            entered[node], clock = clock, clock + 1
+        elif not entered[node]:
+            entered[node] = True
             stack.append((node, True))
-            stack.extend((p, False) for p in producers[node] if entered[p] < 0)
-    return entered, order
+            stack.extend((p, False) for p in producers[node] if not entered[p])
+    return order
 
 
 #: How far upstream a producer's stand-ins reach (module docstring): far enough for ORT's
