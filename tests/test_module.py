@@ -442,6 +442,35 @@ def test_a_stale_or_foreign_cache_entry_is_never_used(tmp_path):
     assert again.graph_builds == 1
 
 
+def test_the_cache_key_follows_ortpass_source_not_only_its_version(tmp_path, monkeypatch):
+    from ortpass.runtime.module import cache
+
+    package = tmp_path / "package"
+    (package / "passes").mkdir(parents=True)
+    (package / "passes" / "a.py").write_text("RULE = 1\n")
+    first = cache.source_digest(package)
+    assert cache.source_digest(package) == first
+    (package / "passes" / "a.py").write_text("RULE = 2\n")  # an editable install's edit
+    edited = cache.source_digest(package)
+    (package / "b.py").write_text("")
+    assert len({first, edited, cache.source_digest(package)}) == 3
+
+    torch.manual_seed(0)
+    ids, labels = _decoder_batch(2)
+    entries = tmp_path / "cache"
+
+    def builds() -> int:
+        wrapped = ORTModule(GPTDecoder(vocab=64, hidden=32, heads=4, layers=2, dropout=0.0), cache_dir=entries)
+        wrapped(ids, labels)
+        return wrapped.graph_builds
+
+    assert builds() == 1
+    monkeypatch.setattr(cache, "ortpass_source_digest", lambda: "edited")  # same version, other code
+    assert builds() == 1
+    monkeypatch.undo()
+    assert builds() == 0
+
+
 @pytest.mark.slow
 def test_the_training_benchmark_runs_on_a_tiny_model(monkeypatch):
     import importlib.util

@@ -4,6 +4,7 @@ whole key kept in the entry and compared on load, written by rename."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import inspect
 import json
@@ -56,7 +57,25 @@ def cache_key_material(
             "torch": torch.__version__, "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__,
             "onnx_ir": ir.__version__, "ortpass": ortpass.__version__,
         },
+        # The version alone misses an editable install's edits, and the graph the old code built
+        # would keep loading after a builder or pass changed.
+        "ortpass_source": ortpass_source_digest(),
     }  # fmt: skip
+
+
+@functools.cache
+def ortpass_source_digest() -> str:
+    """The digest of ortpass's own Python sources (once per process: 156 files, about 10 ms)."""
+    return source_digest(Path(__file__).resolve().parents[2])
+
+
+def source_digest(package_root: Path) -> str:
+    """A sha256 over every ``.py`` file under ``package_root``: each relative path and its bytes."""
+    digest = hashlib.sha256()
+    for path in sorted(package_root.rglob("*.py")):
+        digest.update(path.relative_to(package_root).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes() + b"\0")
+    return digest.hexdigest()
 
 
 def _entry_paths(cache_dir: Path, material: dict) -> tuple[Path, Path]:
