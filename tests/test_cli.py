@@ -297,7 +297,11 @@ def test_report_with_a_budget_prints_the_choice_and_records_it(tmp_path, capsys)
     assert "memory budget 0.0: predicted step peak" in out and "subgraphs recomputed" in out
     plan = json.loads(report.read_text())["budget"]
     assert plan["peak_without_recompute_bytes"] == predict_step_memory(training).peak_bytes
-    assert plan["predicted_peak_bytes"] == plan["peak_recomputing_everything_bytes"] < plan["peak_without_recompute_bytes"]
+    # Budget 0.0 targets the lowest peak the planner's samples found, and the plan meets it; the
+    # bisection below that sample can land lower (the peak is not monotone in the prefix, and
+    # which prefix depends on this machine's cost model: 151812 against 155012 bytes on one).
+    assert plan["target_bytes"] == plan["peak_recomputing_everything_bytes"] < plan["peak_without_recompute_bytes"]
+    assert plan["predicted_peak_bytes"] <= plan["target_bytes"]
     assert plan["chosen"] and all(c["seconds"] > 0 for c in plan["chosen"])
     # A budget is checked as an argument: a bad one is a usage error naming it.
     assert main(["report", str(model_file), "--budget", "lots"]) == 2
