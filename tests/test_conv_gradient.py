@@ -152,7 +152,10 @@ def test_resnet18_with_training_batchnorm_steps_like_torch_at_each_steps_paramet
         expected.backward()
         assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
         for (name, p), q in zip(model.named_parameters(), same.parameters()):
-            assert ((p.grad - q.grad).abs().max() / q.grad.abs().max()).item() <= 1e-4, name
+            # float32 sums in another order through 18 layers of convolution gradients: up to
+            # 1.3e-4 of the largest (blocks.1.bn1.weight, one AMD EPYC, 2026-11-30); a wrong
+            # gradient is off by far more.
+            assert ((p.grad - q.grad).abs().max() / q.grad.abs().max()).item() <= 5e-4, name
         for (name, b), c in zip(model.named_buffers(), same.buffers()):
             torch.testing.assert_close(b, c, rtol=1e-5, atol=1e-6, msg=name)
         optimizer.step()
