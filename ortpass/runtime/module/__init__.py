@@ -90,7 +90,8 @@ class ORTModule(ModelFacade, GraphBuilding, torch.nn.Module):
             a slow CPU kernel); it must build the training graph (``build-training-graph``).
         cache_dir: where built graphs are kept, keyed on the module's structure and
             parameter names/shapes, the input schema, the pipeline and the versions of
-            torch, onnx, onnxruntime and ortpass and a digest of ortpass's source; another process loads instead of exporting.
+            torch, onnx, onnxruntime and ortpass, and a digest of ortpass's own source;
+            another process loads instead of exporting.
         providers: as for :class:`~ortpass.runtime.TrainingSession`.
         threads: ORT's intra-op threads (default: ORT's); 1 makes steps bitwise
             reproducible (CPU ``GatherGrad`` sums in thread order otherwise).
