@@ -317,6 +317,22 @@ def test_attention_time_measures_every_kernel_and_both_checkpointed_steps_on_tin
     assert "| torch SDPA, flash kernel |" in table and "| math |" in table
 
 
+def test_matmul_kernels_times_every_product_of_the_step_alone_and_in_torch_on_tiny_shapes(monkeypatch):
+    monkeypatch.setenv("ORTPASS_BENCH_TINY", "1")
+    matmul_kernels = _load("matmul_kernels")
+    results = matmul_kernels.run(runs=1)
+    products = results["products"].values()
+    assert sum(p["per_step"] for p in products) == results["nodes"]  # each product node once a step
+    assert "Gemm" in {p["op"] for p in products} <= set(matmul_kernels.PRODUCTS)
+    for product in products:
+        assert product["ort_ms"] > 0 and product["torch_ms"] > 0 and product["step_ms"] > 0
+        assert product["max_abs_diff"] <= 1e-5 * product["scale"]  # ORT's and torch's product agree
+    # A weight gradient: x (tokens x in) transposed times dY (tokens x out) is in x out x tokens MACs.
+    assert matmul_kernels._flop("Gemm", {"transA": 1}, [[4096, 256], [4096, 1024]]) == 2 * 256 * 1024 * 4096
+    assert matmul_kernels._flop("MatMul", {}, [[32, 512, 64], [32, 64, 512]]) == 2 * 32 * 512 * 64 * 512
+    assert "| **all** |" in matmul_kernels.markdown(results)
+
+
 @pytest.mark.slow
 def test_first_step_times_every_phase_and_torch_compile_on_a_tiny_llama(monkeypatch, tmp_path):
     monkeypatch.setenv("ORTPASS_BENCH_TINY", "1")  # read by the script and by its children
