@@ -25,6 +25,7 @@ from ortpass.conventions import BUFFER_UPDATES_KEY, BUILDER_KEY, MAX_ORT_IR_VERS
 from ortpass.errors import TrainingGraphError
 from ortpass.ops.optimizer import optimize_keeping_training_values
 from ortpass.training import python_ops, stock_attention
+from ortpass.training import onnx_decomposition
 
 __all__ = ["joint_to_onnx", "name_outputs", "record_training_graph", "without_terminal_codes"]
 
@@ -50,8 +51,11 @@ def joint_to_onnx(program: torch.export.ExportedProgram, input_names: list[str])
         # Not torch.onnx's optimize=True: its optimizer folds Transpose(weight) into a
         # constant and merges equal weights.  onnxscript-optimize keeps the parameters.
         # An opaque Function call (ortpass.training.python_ops) is one custom-domain node.
-        table = {**python_ops.translation_table(program), **stock_attention.translation_table(program)}
-        onnx_program = torch.onnx.export(program, dynamo=True, optimize=False, verbose=False, custom_translation_table=table)
+        table = {**python_ops.translation_table(program), **stock_attention.translation_table(program),
+                 **onnx_decomposition.translations()}
+        with onnx_decomposition.decomposing_only_what_needs_it():  # the joint program is decomposed already
+            onnx_program = torch.onnx.export(program, dynamo=True, optimize=False, verbose=False,
+                                             custom_translation_table=table)
     except Exception as exc:
         raise TrainingGraphError(f"torch.onnx could not write the joint graph: {without_terminal_codes(str(exc))}") from exc
     model = onnx_program.model
@@ -217,8 +221,10 @@ def _ops_torch_onnx_writes_right(program: torch.export.ExportedProgram) -> None:
             dst, src = node.args[:2]
             with graph.inserting_before(node):
                 zeros = graph.call_function(aten.zeros_like.default, (dst,))
+                zeros.meta["val"] = dst.meta["val"]  # torch.onnx reads each node's value (shape, dtype)
                 if src.meta["val"].dtype != dst.meta["val"].dtype:
-                    src = graph.call_function(aten._to_copy.default, (src,), {"dtype": dst.meta["val"].dtype})
+                    cast = graph.call_function(aten._to_copy.default, (src,), {"dtype": dst.meta["val"].dtype})
+                    cast.meta["val"], src = src.meta["val"].to(dst.meta["val"].dtype), cast
                 summed = graph.call_function(aten.add.Tensor, (zeros, src))
             summed.meta["val"] = node.meta["val"]
             node.replace_all_uses_with(summed)
