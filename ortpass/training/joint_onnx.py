@@ -24,8 +24,7 @@ from ortpass.analysis.partition import TrainingInfo, set_training_info, tag
 from ortpass.conventions import BUFFER_UPDATES_KEY, BUILDER_KEY, MAX_ORT_IR_VERSION, MS_DOMAIN, SIDE_KEY
 from ortpass.errors import TrainingGraphError
 from ortpass.ops.optimizer import optimize_keeping_training_values
-from ortpass.training import python_ops, stock_attention
-from ortpass.training import onnx_decomposition
+from ortpass.training import onnx_decomposition, python_ops, stock_attention
 
 __all__ = ["joint_to_onnx", "name_outputs", "record_training_graph", "without_terminal_codes"]
 
@@ -54,8 +53,7 @@ def joint_to_onnx(program: torch.export.ExportedProgram, input_names: list[str])
         table = {**python_ops.translation_table(program), **stock_attention.translation_table(program),
                  **onnx_decomposition.translations()}
         with onnx_decomposition.decomposing_only_what_needs_it():  # the joint program is decomposed already
-            onnx_program = torch.onnx.export(program, dynamo=True, optimize=False, verbose=False,
-                                             custom_translation_table=table)
+            onnx_program = torch.onnx.export(program, dynamo=True, optimize=False, verbose=False, custom_translation_table=table)
     except Exception as exc:
         raise TrainingGraphError(f"torch.onnx could not write the joint graph: {without_terminal_codes(str(exc))}") from exc
     model = onnx_program.model
