@@ -11,7 +11,10 @@ The first step is ``loss = model(ids, labels); loss.backward()``:
   export at other sizes and the comparison), the pass pipeline (``pythonop-shape-inference``,
   ``build-training-graph``, the other passes, the manager's checks, the manager's own
   bookkeeping), the session (serializing the model, ORT's session creation), writing the
-  on-disk cache, and the step itself with what is left;
+  on-disk cache, and the step itself with what is left.  On stock onnxruntime the torch
+  builder builds the training graph instead of the export and ``build-training-graph``:
+  ``torch.export`` of the forward, AOTAutograd's joint trace, ``torch.onnx``'s export of the
+  joint program and onnxscript's optimizer on it;
 - **ortpass cache**: a second fresh process with the same ``cache_dir``: the first call
   that loads the graph the first process stored (no export, no pipeline);
 - **torch.compile**: ``torch.compile(model)`` (Inductor, defaults) with a fresh Inductor
@@ -58,7 +61,8 @@ HIDDEN, HEADS, KV_HEADS, MLP, VOCAB, BATCH, SEQ = 256, 4, 2, 1024, 2048, 2, 128
 if os.environ.get("ORTPASS_BENCH_TINY") == "1":  # the test suite's smoke run
     HIDDEN, HEADS, KV_HEADS, MLP, VOCAB, BATCH, SEQ = 32, 2, 1, 64, 64, 2, 16
 PHASES = (
-    "export", "dims proof", "pythonop-shape-inference", "build-training-graph", "other passes",
+    "export", "dims proof", "torch.export", "joint trace", "torch.onnx", "onnxscript optimize",
+    "pythonop-shape-inference", "build-training-graph", "other passes",
     "manager checks", "manager bookkeeping", "serialize", "ORT session", "cache write", "cache load",
     "step and rest",
 )
@@ -218,6 +222,16 @@ def child(side: str, family: str, layers: int, threads: int, cache_dir: str) -> 
     phases.wrap(graphs, "load_cached", "cache load")
     phases.wrap(session_module, "open_session", "ORT session")
     phases.wrap(session_module.TrainingSession, "__init__", "serialize")
+    # The torch builder's build (stock onnxruntime): torch.export of the forward, AOTAutograd's
+    # joint trace, torch.onnx's export of the joint program, onnxscript's optimizer on it.
+    import torch.export.experimental as export_experimental
+
+    from ortpass.training import from_torch, joint_onnx
+
+    phases.wrap(from_torch, "_export", "torch.export")
+    phases.wrap(export_experimental, "_export_forward_backward", "joint trace")
+    phases.wrap(torch.onnx, "export", "torch.onnx", unless_inside=("export", "dims proof"))
+    phases.wrap(joint_onnx, "optimize_keeping_training_values", "onnxscript optimize")
     manager_call = PassManager.call
 
     def call(self, model):
