@@ -17,6 +17,11 @@ against torch with checkpointing) that kernel is:
    hidden 256, batch 8 x 512), one process, SDPA's flash and math kernels alternating for
    ``--rounds`` rounds, each the fastest of 4 warm steps: the same model, loss and
    recomputation, only the attention kernel differs.
+3. The kernels of stock onnxruntime's fused attention (``ortpass.training.stock_attention``)
+   at the same shapes, called as onnxruntime-extensions calls them (numpy arrays in and
+   out), the fastest of 20: the forward; the backward that runs SDPA again under autograd
+   (a call with dropout); the backward from the forward's output and logsumexp (torch's
+   flash backward, a call without).
 
 Usage: ``python benchmarks/attention_time.py [--rounds 4]``.  Writes
 ``attention_time.json`` and ``.md`` next to this script.
@@ -159,6 +164,31 @@ def checkpointed_steps(rounds: int) -> dict:
     return times
 
 
+def python_op_kernels() -> dict:
+    """Milliseconds a call of each stock fused-attention kernel, causal, as ORT calls them."""
+    import torch
+
+    from ortpass.training import stock_attention
+
+    torch.set_num_threads(THREADS)
+    rng = np.random.default_rng(0)
+    q, k, v, dout = (rng.standard_normal((B, H, S, D), dtype=np.float32) for _ in range(4))
+
+    def call(flash: bool):
+        return stock_attention._Attention(0, True, None, False, torch.float32, None, flash=flash)
+
+    out, logsumexp = stock_attention._forward_kernel(call(True))(q, k, v)
+    again, from_logsumexp = stock_attention._backward_kernel(call(False)), stock_attention._backward_kernel(call(True))
+    difference = max(float(np.abs(a - b).max()) for a, b in zip(again(dout, q, k, v), from_logsumexp(dout, q, k, v, out, logsumexp)))
+    REPEATS = 3 if TINY else 20  # noqa: N806  (the backwards' times moved by a third between runs of 10)
+    return {
+        "forward": _fastest(lambda: stock_attention._forward_kernel(call(True))(q, k, v), REPEATS) * 1e3,
+        "backward, SDPA run again under autograd": _fastest(lambda: again(dout, q, k, v), REPEATS) * 1e3,
+        "backward from the forward's logsumexp": _fastest(lambda: from_logsumexp(dout, q, k, v, out, logsumexp), REPEATS) * 1e3,
+        "max_abs_diff_of_the_backwards": difference,
+    }
+
+
 def markdown(results: dict) -> str:
     lines = [
         "# Causal attention on a CPU: ONNX Runtime's kernels and torch's",
@@ -187,6 +217,19 @@ def markdown(results: dict) -> str:
     ]
     for name in ("flash", "math"):
         lines.append(f"| {name} | " + " | ".join(f"{t:.2f}" for t in steps[name]) + " |")
+    kernels = dict(results.get("python_op_kernels", {}))
+    if kernels:
+        difference = kernels.pop("max_abs_diff_of_the_backwards")
+        lines += [
+            "",
+            "Stock onnxruntime's fused attention (`fused_attention=True`): its Python-op kernels at the "
+            "same shapes, causal, called from numpy arrays as onnxruntime-extensions calls them, fastest "
+            f"of 20 (the two backwards' gradients differ by at most {difference:.1e}):",
+            "",
+            "| kernel | ms a call |",
+            "|---|---:|",
+            *(f"| {name} | {ms:.1f} |" for name, ms in kernels.items()),
+        ]
     return "\n".join(lines)
 
 
@@ -195,7 +238,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=4)
     args = parser.parse_args(argv)
     load_before = os.getloadavg()[0]
-    results = {"kernels": kernels(), "checkpointed_steps": checkpointed_steps(args.rounds)}
+    results = {"kernels": kernels(), "checkpointed_steps": checkpointed_steps(args.rounds),
+               "python_op_kernels": python_op_kernels()}
     results["load"] = [load_before, os.getloadavg()[0]]
     rm.record(RESULTS / "attention_time", results, markdown(results))
 

@@ -313,8 +313,14 @@ def test_attention_time_measures_every_kernel_and_both_checkpointed_steps_on_tin
         assert row["max_abs_diff"] < 1e-5, name  # every kernel computes the same attention
     steps = attention_time.checkpointed_steps(rounds=1)
     assert len(steps["flash"]) == len(steps["math"]) == 1 and min(steps["flash"] + steps["math"]) > 0
-    table = attention_time.markdown({"kernels": kernels, "checkpointed_steps": steps, "load": [0.0, 0.0]})
+    python_ops = attention_time.python_op_kernels()
+    assert python_ops.pop("max_abs_diff_of_the_backwards") < 1e-5  # both backwards give the same gradients
+    assert len(python_ops) == 3 and min(python_ops.values()) > 0
+    table = attention_time.markdown(
+        {"kernels": kernels, "checkpointed_steps": steps, "load": [0.0, 0.0], "python_op_kernels": attention_time.python_op_kernels()}
+    )
     assert "| torch SDPA, flash kernel |" in table and "| math |" in table
+    assert "| backward from the forward's logsumexp |" in table
 
 
 def test_matmul_kernels_times_every_product_of_the_step_alone_and_in_torch_on_tiny_shapes(monkeypatch):

@@ -2,7 +2,8 @@
 kernels are torch's (:mod:`ortpass.training.stock_attention`), compared with torch eager at
 changing sizes, cloned by the recompute pass without changing a bit, with dropout too (its
 mask drawn again from the call's seed, and equal to torch's SDPA drawing from that seed); a
-mask that requires grad keeps the math attention.
+call without dropout keeps the flash kernel's logsumexp for its backward (equal to torch's
+SDPA bit for bit); a mask that requires grad keeps the math attention.
 """
 
 from __future__ import annotations
@@ -146,6 +147,59 @@ def test_dropout_is_replayed_by_recompute_and_backward_from_the_calls_seed():
             np.testing.assert_allclose(plain.gradients[name], grad.numpy(), rtol=1e-4, atol=1e-6, err_msg=name)
     torch.manual_seed(8)
     assert TrainingSession(model, threads=1).run(feeds).loss != plain.loss  # another step, other masks
+
+
+@pytest.mark.parametrize("mode", ["causal", "padded"])
+def test_the_backward_reads_the_forwards_logsumexp_and_does_not_run_it_again(mode):
+    model = _build(Decoder(Block(mode)), _batch(2, 6))
+    (forward,) = [n for n in model.graph if n.op_type.startswith("OrtpassAttention_")]
+    (backward,) = [n for n in model.graph if n.op_type.startswith("OrtpassAttentionGrad_")]
+    out, logsumexp = forward.outputs
+    assert logsumexp.shape is not None and logsumexp.shape.rank() == 3  # batch x heads x seq
+    assert list(backward.inputs[4:6]) == [out, logsumexp]
+
+
+def _eager_attention(q, k, v, dout, **options):
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = stock_attention._torch_sdpa(*leaves, **options)
+    return [out.detach(), *torch.autograd.grad(out, leaves, dout)]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(is_causal=True), dict(mask="bool4"), dict(mask="bool2"), dict(mask="float"), dict(mask="bool4", scale=0.3)],
+    ids=["causal", "bool-mask", "2d-bool-mask", "float-mask", "scaled"],
+)
+def test_the_flash_kernels_give_torchs_sdpa_output_and_gradients_bit_for_bit(options):
+    torch.manual_seed(0)
+    q, k, v, dout = (torch.randn(2, 3, 9, 8) for _ in range(4))
+    options = dict(options)
+    mask = {"bool4": torch.rand(2, 1, 9, 9) > 0.3, "bool2": torch.rand(9, 9) > 0.3, "float": torch.randn(2, 1, 9, 9)}.get(options.pop("mask", None))
+    if mask is not None:
+        mask[..., 0] = True if mask.dtype == torch.bool else mask[..., 0]
+    eager = _eager_attention(q, k, v, dout, attn_mask=mask, **options)
+    call = stock_attention._Attention(
+        0, options.get("is_causal", False), options.get("scale"), False, torch.float32, None if mask is None else mask.dtype, flash=True
+    )
+    rest = [mask] if mask is not None else []
+    out, logsumexp = call.flash_forward(q, k, v, rest)
+    for got, expected in zip([out, *call.flash_backward(dout, q, k, v, out, logsumexp, rest)], eager):
+        assert torch.equal(got, expected)
+
+
+def test_calls_the_flash_kernel_does_not_take_keep_the_backward_that_runs_sdpa_again():
+    q = torch.randn(2, 4, 6, 8)
+    kv = torch.randn(2, 2, 6, 8)
+    takes = stock_attention._flash_kernel_takes
+    assert takes(q, q, q, None, 0.0, False)
+    assert not takes(q, q, q, None, 0.1, False)  # dropout: the kernel has none
+    assert not takes(q, kv, kv, None, 0.0, True)  # grouped heads
+    assert not takes(q, q, q, torch.ones(2, 6, 6, dtype=torch.bool), 0.0, False)  # a 3-d mask
+    assert not takes(q, q, torch.randn(2, 4, 6, 4), None, 0.0, False)  # another head size for v
+    model = _build(Decoder(Block("causal", dropout=0.3)), _batch(2, 6))
+    (forward,) = [n for n in model.graph if n.op_type.startswith("OrtpassAttention_")]
+    (backward,) = [n for n in model.graph if n.op_type.startswith("OrtpassAttentionGrad_")]
+    assert len(forward.outputs) == 1 and len(backward.inputs) == 5  # dout, q, k, v, seed
 
 
 def test_a_mask_that_requires_grad_keeps_the_math_attention():

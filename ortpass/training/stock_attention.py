@@ -3,16 +3,22 @@ whose kernel is torch's, forward and backward (the torch builder, through
 onnxruntime-extensions: :mod:`ortpass.training.python_op_kernels`).
 
 The rule: while the builder traces (``fused_attention=True``), an SDPA call becomes
-``ortpass_attention::forward_<n>(q, k, v[, mask][, seed]) -> out``, and its gradient
-``ortpass_attention::backward_<n>(dout, q, k, v[, mask][, seed]) -> (dq, dk, dv)``; ``<n>``
-numbers the call's constants (causal, scale, grouped heads, the mask's kind, dropout).
-Both are stateless: the forward kernel runs torch's SDPA (its fused CPU kernel), keeping
-nothing; the backward kernel runs it again with autograd from the same inputs and
-differentiates it, as FlashAttention's own backward recomputes the probabilities.  So no
-batch x heads x seq x seq tensor lives between forward and backward, the backward reads
-only the attention's inputs (which the recompute pass may recompute in their turn), and
-the forward node is registered recomputable and as attention for layer detection: a clone
-computes the forward's output, being a function of its inputs alone.
+``ortpass_attention::forward_<n>`` and its gradient ``ortpass_attention::backward_<n>``;
+``<n>`` numbers the call's constants (causal, scale, grouped heads, the mask's kind,
+dropout, the kernel).  Both are functions of their inputs, so no batch x heads x seq x seq
+tensor lives between forward and backward, and the forward node is registered recomputable
+and as attention for layer detection: a clone computes what the forward computed.
+
+- A call torch's CPU flash kernel takes as it is (no dropout, 4-d inputs with equal heads
+  and head sizes, a mask of 2 or 4 dims): ``forward_<n>(q, k, v[, mask]) -> (out, lse)``
+  runs that kernel and keeps its logsumexp per row (batch x heads x seq, 1/head_dim of the
+  output); ``backward_<n>(dout, q, k, v, out, lse[, mask]) -> (dq, dk, dv)`` runs its
+  backward, which computes the probabilities again block by block from the logsumexp, as
+  FlashAttention's does.  These are the kernels torch's own SDPA and its autograd run for
+  such a call: the same bits.
+- Any other call: ``forward_<n>(q, k, v[, mask][, seed]) -> out`` runs torch's SDPA keeping
+  nothing, and ``backward_<n>(dout, q, k, v[, mask][, seed])`` runs it again under autograd
+  and differentiates it.
 
 Dropout: a call with ``dropout_p > 0`` gets ``seed_<n>(q) -> seed``, an int64 drawn from
 torch's generator once per call and step (not recomputable: the value is stashed, 8
@@ -59,6 +65,7 @@ class _Attention:
     dtype: torch.dtype
     mask_dtype: torch.dtype | None  # None: no mask
     dropout_p: float = 0.0  # > 0: the ops take a seed (int64 scalar) last
+    flash: bool = False  # the forward also outputs torch's flash kernel's logsumexp, which its backward reads
 
     @property
     def input_dtypes(self) -> list[torch.dtype]:
@@ -75,6 +82,28 @@ class _Attention:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(int(rest[-1]))
             return _torch_sdpa(q, k, v, dropout_p=self.dropout_p, **options)
+
+    def flash_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rest: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The output and the logsumexp per row: the CPU flash kernel torch's SDPA runs for
+        these inputs (tests compare the two bit for bit)."""
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, self.is_causal, attn_mask=self._additive_mask(rest, q.dtype), scale=self.scale
+        )
+
+    def flash_backward(self, dout, q, k, v, out, lse, rest: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The flash kernel's backward from the forward's output and logsumexp: the
+        probabilities are computed again block by block, the forward is not run again."""
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, self.is_causal, attn_mask=self._additive_mask(rest, q.dtype), scale=self.scale
+        )
+
+    def _additive_mask(self, rest: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor | None:
+        """The mask as the flash kernel takes it: a boolean mask becomes 0 where kept and
+        -inf where masked, as SDPA converts it before calling the kernel."""
+        mask = rest[0] if self.mask_dtype is not None else None
+        if mask is None or mask.dtype != torch.bool:
+            return mask
+        return torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
 
 
 _calls: dict[int, _Attention] = {}
@@ -119,18 +148,34 @@ def _sdpa_as_python_op(math_attention: Any) -> Any:
         mask_dtype = attn_mask.dtype if attn_mask is not None else None
         if mask_dtype is not None and mask_dtype not in (torch.bool, query.dtype):
             return math_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-        call = _call_for(bool(is_causal), scale, bool(enable_gqa), query.dtype, mask_dtype, float(dropout_p))
+        flash = _flash_kernel_takes(query, key, value, attn_mask, dropout_p, enable_gqa)
+        call = _call_for(bool(is_causal), scale, bool(enable_gqa), query.dtype, mask_dtype, float(dropout_p), flash)
         tensors = [query, key, value] + ([attn_mask] if attn_mask is not None else [])
         if call.dropout_p > 0:  # a seed drawn once per call and step, read by every op of the call
             tensors.append(getattr(torch.ops.ortpass_attention, f"seed_{call.number}")(query.detach()))
         fused_calls.append(call.number)
-        return getattr(torch.ops.ortpass_attention, f"forward_{call.number}")(*tensors)
+        output = getattr(torch.ops.ortpass_attention, f"forward_{call.number}")(*tensors)
+        return output[0] if call.flash else output
 
     return attention
 
 
-def _call_for(is_causal: bool, scale: float | None, enable_gqa: bool, dtype: torch.dtype, mask_dtype, dropout_p: float) -> _Attention:
-    options = (is_causal, scale, enable_gqa, dtype, mask_dtype, dropout_p)
+def _flash_kernel_takes(query, key, value, attn_mask, dropout_p: float, enable_gqa: bool) -> bool:
+    """Whether torch's CPU flash kernel takes this call as it is: no dropout (the kernel has
+    none), 4-d inputs with the same heads and head size (no grouped heads), and a mask of
+    2 or 4 dims.  Other calls keep a backward that runs SDPA again under autograd."""
+    if dropout_p != 0 or enable_gqa or not query.dim() == key.dim() == value.dim() == 4:
+        return False
+    if attn_mask is not None and attn_mask.dim() not in (2, 4):
+        return False
+    heads = (query.shape[1], key.shape[1], value.shape[1], query.shape[3], key.shape[3], value.shape[3])
+    return all(isinstance(d, int) for d in heads) and heads[0] == heads[1] == heads[2] and heads[3] == heads[4] == heads[5]
+
+
+def _call_for(
+    is_causal: bool, scale: float | None, enable_gqa: bool, dtype: torch.dtype, mask_dtype, dropout_p: float, flash: bool
+) -> _Attention:
+    options = (is_causal, scale, enable_gqa, dtype, mask_dtype, dropout_p, flash)
     with _lock:
         call = _by_options.get(options)
         if call is None:
@@ -150,11 +195,16 @@ def _define(call: _Attention) -> None:
 
     library, n = _library(), call.number
     rest = (", Tensor mask" if call.mask_dtype is not None else "") + (", Tensor seed" if call.dropout_p > 0 else "")
-    library.define(f"forward_{n}(Tensor q, Tensor k, Tensor v{rest}) -> Tensor")
-    library.define(f"backward_{n}(Tensor dout, Tensor q, Tensor k, Tensor v{rest}) -> (Tensor, Tensor, Tensor)")
+    if call.flash:  # the logsumexp goes from the forward to the backward
+        library.define(f"forward_{n}(Tensor q, Tensor k, Tensor v{rest}) -> (Tensor, Tensor)")
+        library.define(f"backward_{n}(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse{rest}) -> (Tensor, Tensor, Tensor)")
+    else:
+        library.define(f"forward_{n}(Tensor q, Tensor k, Tensor v{rest}) -> Tensor")
+        library.define(f"backward_{n}(Tensor dout, Tensor q, Tensor k, Tensor v{rest}) -> (Tensor, Tensor, Tensor)")
 
     def fake_forward(q, k, v, *mask):
-        return q.new_empty((*q.shape[:-1], v.shape[-1]))
+        out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+        return (out, q.new_empty(q.shape[:-1])) if call.flash else out
 
     def fake_backward(dout, q, k, v, *mask):
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -166,9 +216,13 @@ def _define(call: _Attention) -> None:
         library.impl(f"seed_{n}", _runs_only_in_ort, "CompositeExplicitAutograd")
 
     def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(*inputs)
+        if call.flash:
+            ctx.mark_non_differentiable(output[1])
+            ctx.save_for_backward(*inputs[:3], *output, *inputs[3:])  # the backward op's order
+        else:
+            ctx.save_for_backward(*inputs)
 
-    def backward(ctx, dout):
+    def backward(ctx, dout, *_):  # no gradient flows into the logsumexp
         grads = getattr(torch.ops.ortpass_attention, f"backward_{n}")(dout, *ctx.saved_tensors)
         return (*grads, *[None] * (len(call.input_dtypes) - 3))  # none for the mask and the seed
 
@@ -194,16 +248,16 @@ def translation_table(program: torch.export.ExportedProgram) -> dict[Any, Any]:
         forward = side == "forward"
         domain = op_domain(f"attention{'' if forward else 'grad'}{number}")
         op_type = f"{FORWARD_PREFIX if forward else BACKWARD_PREFIX}{number}"
-        n_inputs = len(call.input_dtypes) + (0 if forward else 1)
-        _ensure_schema(domain, op_type, n_inputs, 1 if forward else 3)
-        table[target] = _translation(onnxscript.values.Opset(domain, 1), op_type, n_inputs, forward)
+        inputs, outputs = kernel_of(op_type)[:2]
+        _ensure_schema(domain, op_type, len(inputs), len(outputs))
+        table[target] = _translation(onnxscript.values.Opset(domain, 1), op_type, len(inputs), len(outputs))
     return table
 
 
-def _translation(opset: Any, op_type: str, n_inputs: int, forward: bool) -> Any:
+def _translation(opset: Any, op_type: str, n_inputs: int, n_outputs: int) -> Any:
     def translate(*args: Any) -> Any:
         outputs = getattr(opset, op_type)(*args[:n_inputs], func_name="torch.nn.functional.scaled_dot_product_attention")
-        return outputs if forward else tuple(outputs)
+        return outputs if n_outputs == 1 else tuple(outputs)
 
     translate.__name__ = op_type
     return translate
@@ -233,8 +287,9 @@ def kernel_of(op_type: str) -> tuple[list[torch.dtype], list[torch.dtype], Any] 
     if op_type.startswith(SEED_PREFIX):
         return [call.dtype], [torch.int64], _seed_kernel
     if op_type.startswith(FORWARD_PREFIX):
-        return call.input_dtypes, [call.dtype], _forward_kernel(call)
-    return [call.dtype, *call.input_dtypes], [call.dtype] * 3, _backward_kernel(call)
+        return call.input_dtypes, [call.dtype] * (2 if call.flash else 1), _forward_kernel(call)
+    saved = [call.dtype] * 2 if call.flash else []  # the forward's output and logsumexp
+    return [call.dtype, *call.input_dtypes[:3], *saved, *call.input_dtypes[3:]], [call.dtype] * 3, _backward_kernel(call)
 
 
 def _tensors(arrays) -> list[torch.Tensor]:
@@ -251,9 +306,11 @@ def _forward_kernel(call: _Attention) -> Any:
         try:
             with torch.no_grad():
                 q, k, v, *rest = _tensors((q, k, v, *rest))
+                if call.flash:
+                    return tuple(t.numpy() for t in call.flash_forward(q, k, v, rest))
                 return call.attend(q, k, v, rest).numpy()
         except BaseException as exc:  # raising here would abort the process
-            return _failed(exc, "forward", 1)
+            return _failed(exc, "forward", 2 if call.flash else 1)
 
     return forward
 
@@ -262,6 +319,9 @@ def _backward_kernel(call: _Attention) -> Any:
     def backward(dout, q, k, v, *rest, **_: Any) -> tuple[np.ndarray, ...]:
         try:
             dout, q, k, v, *rest = _tensors((dout, q, k, v, *rest))
+            if call.flash:
+                with torch.no_grad():
+                    return tuple(g.numpy() for g in call.flash_backward(dout, q, k, v, *rest[:2], rest[2:]))
             leaves = [t.requires_grad_(True) for t in (q, k, v)]
             with torch.enable_grad():
                 out = call.attend(*leaves, rest)
