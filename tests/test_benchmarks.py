@@ -168,6 +168,19 @@ def test_hf_memory_runs_the_wrapper_row_in_the_python_it_is_given(monkeypatch):
 
 
 @pytest.mark.slow
+def test_hf_memory_budget_row_runs_llama_under_its_budget_and_skips_gpt2(monkeypatch):
+    """``wrapper_stock_budget`` gives ORTModule the family's ``memory_budget``; a family
+    without one (GPT-2) has no such row."""
+    monkeypatch.setenv("ORTPASS_BENCH_TINY", "1")
+    hf_memory = _load("hf_memory")
+    results = hf_memory.run(["gpt2", "llama"], seq=16, steps=2, only=["wrapper_stock_budget"], stock_python=sys.executable)
+    assert results["families"]["gpt2"]["configs"] == {}
+    row = results["families"]["llama"]["configs"]["wrapper_stock_budget"]
+    assert row["memory_budget"] == hf_memory.WRAPPER_BUDGET["llama"] and row["graph_builds"] == 1
+    assert row["step_seconds"] > 0 and row["loss"] > 0
+
+
+@pytest.mark.slow
 def test_onnxscript_optimize_times_both_graphs_of_the_small_decoder():
     bench = _load("onnxscript_optimize")
     result = bench.run_one("small", steps=1)
