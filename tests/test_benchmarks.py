@@ -177,6 +177,7 @@ def test_hf_memory_budget_row_runs_llama_under_its_budget_and_skips_gpt2(monkeyp
     assert results["families"]["gpt2"]["configs"] == {}
     row = results["families"]["llama"]["configs"]["wrapper_stock_budget"]
     assert row["memory_budget"] == hf_memory.WRAPPER_BUDGET["llama"] and row["graph_builds"] == 1
+    assert f"memory_budget='{row['memory_budget']}'" in row["label"]
     assert row["step_seconds"] > 0 and row["loss"] > 0
 
 
