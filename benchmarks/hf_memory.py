@@ -380,7 +380,8 @@ def _rows(results: dict) -> list[tuple[str, str]]:
     rows = []
     for key, label, _ in CONFIGS:
         run = next((c[key]["run"] for c in configs if key in c and c[key].get("run")), None)
-        label = next((c[key]["label"] for c in configs if key in c), label)  # as measured (a budget row's budget)
+        # As measured (a budget row's label names its budget); a row not run, the budgets in use.
+        label = next((c[key]["label"] for c in configs if key in c), label.format(budget=", ".join(WRAPPER_BUDGET.values())))
         rows.append((key, f"{label} (run {run})" if run else label))
         rows += [(k, f"{next(c[k]['label'] for c in configs if k in c)} (run {k.split('@')[1]})")
                  for k in sorted(keys) if k.startswith(f"{key}@")]
