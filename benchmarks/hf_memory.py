@@ -283,9 +283,10 @@ def run(families: list[str], seq: int, steps: int, only: list[str] | None = None
             for key, label, kind in CONFIGS:
                 if (only and key not in only) or (kind.endswith("-stock") and not stock_python):
                     continue
-                if key.endswith("_budget") and family not in WRAPPER_BUDGET:
+                budget = WRAPPER_BUDGET.get(family, "") if key.endswith("_budget") else ""
+                if key.endswith("_budget") and not budget:
                     continue
-                label = label.format(budget=WRAPPER_BUDGET.get(family, ""))  # the budget row's
+                label = label.format(budget=budget)  # the budget row's label names its budget
                 print(f"[{family}] {label}", flush=True)
                 python = stock_python if kind.endswith("-stock") else None
                 if kind == "ort-cpp":
@@ -294,7 +295,6 @@ def run(families: list[str], seq: int, steps: int, only: list[str] | None = None
                     args = ("ort", str(work), key, str(steps), "0")
                 elif kind.startswith("wrapper"):
                     loss = "torch" if key.startswith("wrapper_split") else "module"
-                    budget = WRAPPER_BUDGET[family] if key.endswith("_budget") else ""
                     args = ("wrapper", str(work), family, str(seq), str(steps), loss, str(int(key.endswith("_fused"))), budget)
                 elif kind.startswith("ort"):
                     args = ("ort", str(work), key, str(steps), str(int(kind == "ort-bridge")))
