@@ -22,25 +22,21 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from test_module_conformance import train_side_by_side  # noqa: E402
+from test_module_conformance import fewer_on_training_build, train_side_by_side  # noqa: E402
 from test_module_families import _batches, _model, loss_from_labels, loss_from_logits  # noqa: E402
 from test_real_models import FAMILIES, LAYERS  # noqa: E402
 
 from ortpass.runtime.module import ORTModule  # noqa: E402
-from ortpass.training.backend import has_training_ops  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.stock]
 
-#: The families this file trains when the training build is installed.
-ON_TRAINING_BUILD = ("gpt2", "llama", "bert")
+#: The families this file trains when the training build is installed (one: see
+#: ``fewer_on_training_build``).
+ON_TRAINING_BUILD = ("llama",)
 
 
 def _families(names, on_training_build=ON_TRAINING_BUILD) -> list:
-    """``names``, those outside ``on_training_build`` skipped on the training build."""
-    if not has_training_ops():
-        return list(names)
-    skip = pytest.mark.skip(reason="the training build trains fewer families; CI's stock venv trains them all")
-    return [name if name in on_training_build else pytest.param(name, marks=skip) for name in names]
+    return fewer_on_training_build(names, on_training_build)
 
 
 def _recomputed_nodes(wrapped: ORTModule) -> int:
@@ -113,7 +109,7 @@ def test_no_grad_and_eval_calls_compute_like_torch(name):
 
 
 # The loop's logic, not a family's graph: one family on the training build (47 s saved there).
-@pytest.mark.parametrize("name", _families(["gpt2", "llama"], on_training_build=("llama",)))
+@pytest.mark.parametrize("name", _families(["gpt2", "llama"]))
 def test_evaluation_after_steps_and_an_ema_copy_compute_like_torch(name):
     """The loop of a training script: steps, a no-grad evaluation, and an EMA copy
     (``copy.deepcopy``, frozen, updated from the model) evaluated."""

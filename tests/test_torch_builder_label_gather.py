@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from test_module_conformance import fewer_on_training_build
+
 from ortpass.analysis.step_memory import predict_step_memory
 from ortpass.infra.metadata import get_export_info
 from ortpass.runtime import TrainingSession
@@ -197,7 +199,7 @@ def _hf_batches(kind: str, vocab: int = 1000):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["bert", "gpt2"])
+@pytest.mark.parametrize("name", fewer_on_training_build(["bert", "gpt2"], ("gpt2",)))
 def test_ortmodule_gathers_hugging_face_labels_and_trains_like_torch(name, caplog):
     """``ORTModule(model, builder="torch")`` (stock onnxruntime's default): BertForMaskedLM
     with -100 labels, GPT2LMHeadModel with padded labels (shifted inside the model)."""
