@@ -432,3 +432,32 @@ def test_label_gather_torch_builder_measures_every_row_with_the_same_loss(monkey
             assert bool(rows[key]["gathered"]) == gather, key
     assert set(results["models"]["gpt2"]["alternating"]) == {"pipeline", "alone"}
     assert "| torch builder, no passes, label gather |" in label_gather.markdown(results)
+
+
+def test_weight_gradient_gemm_times_both_forms_of_every_product_and_they_agree(monkeypatch):
+    monkeypatch.setenv("ORTPASS_BENCH_TINY", "1")  # read at import: 64 rows
+    bench = _load("weight_gradient_gemm")
+    products = bench.products(rounds=1)
+    assert len(products) == len(bench.PRODUCTS)
+    for row in products.values():
+        assert list(row) == ["ORT Gemm(transA=1)", "ORT Transpose + MatMul", "torch mm(dY.t(), x)"]
+        for form in row.values():
+            assert form["fastest_ms"] > 0 and form["max_rel_err"] < 1e-5  # each form computes dY^T x
+
+
+@pytest.mark.stock
+@pytest.mark.slow
+def test_weight_gradient_gemm_rewrites_every_weight_gradient_of_the_stock_llama_step(monkeypatch):
+    from ortpass.training.backend import has_training_ops
+
+    if has_training_ops():
+        pytest.skip("the step's graph is the torch builder's, which ORTModule builds on stock onnxruntime")
+    monkeypatch.setenv("ORTPASS_BENCH_TINY", "1")
+    bench = _load("weight_gradient_gemm")
+    step = bench.step(rounds=1)
+    layers = sys.modules["hf_memory"].LAYERS
+    assert step["gemms_rewritten"] == 7 * layers + 1  # q, k, v, o, gate, up, down a layer, and the vocabulary head
+    assert step["max_rel_diff_of_outputs"] < 1e-5  # the same loss and gradients
+    assert "| transposed-gemm-as-matmul |" in bench.markdown(
+        {"cpus": 2, "cpu_model": "x", "onnxruntime": "y", "rounds": 1, "load": [0.0, 0.0], "products": bench.products(1), "step": step}
+    )

@@ -18,8 +18,9 @@ from ortpass.passes.recompute_gate_activation import RecomputeGateActivationPass
 from ortpass.passes.recompute_silu_sigmoid import RecomputeSiluSigmoidPass
 from ortpass.passes.replay_dropout_mask import ReplayDropoutMaskPass
 from ortpass.passes.scatter_embedding_gradient import ScatterEmbeddingGradientPass
+from ortpass.passes.transposed_gemm_as_matmul import TransposedGemmAsMatmulPass
 
-__all__ = ["CREATED_BY_KEY", "DEFAULT_PIPELINE", "AccumulateGradientsEarlyPass", "BuildTrainingGraphPass", "CheckIndexRangesPass", "ChunkLmHeadLossPass", "ExpandFastGeluGradPass", "FixDropoutSeedPass", "InsertGatherBeforeSceLossPass", "OnnxscriptOptimizePass", "OrderBackwardJoinsPass", "OrtFunctionalPass", "OrtPass", "PythonOpShapeInferencePass", "RecomputeAgainLatePass", "RecomputeGateActivationPass", "RecomputePass", "RecomputeSiluSigmoidPass", "ReplayDropoutMaskPass", "ScatterEmbeddingGradientPass"]
+__all__ = ["CREATED_BY_KEY", "DEFAULT_PIPELINE", "AccumulateGradientsEarlyPass", "BuildTrainingGraphPass", "CheckIndexRangesPass", "ChunkLmHeadLossPass", "ExpandFastGeluGradPass", "FixDropoutSeedPass", "InsertGatherBeforeSceLossPass", "OnnxscriptOptimizePass", "OrderBackwardJoinsPass", "OrtFunctionalPass", "OrtPass", "PythonOpShapeInferencePass", "RecomputeAgainLatePass", "RecomputeGateActivationPass", "RecomputePass", "RecomputeSiluSigmoidPass", "ReplayDropoutMaskPass", "ScatterEmbeddingGradientPass", "TransposedGemmAsMatmulPass"]
 
 #: What ``ortpass optimize``, ``ortpass.ORTModule`` and the golden suite run without ``--pipeline``: every built-in pass (the manager
 #: orders them from their declarations), recompute at ORTModule's layer-wise level 1 with
@@ -29,9 +30,12 @@ __all__ = ["CREATED_BY_KEY", "DEFAULT_PIPELINE", "AccumulateGradientsEarlyPass",
 #: vocabulary slices where the logits outgrow one slice, and a tied embedding's gradient
 #: rows scattered into the head's (benchmarks/hf_memory_real_width.py); labels and
 #: embedding ids that torch refuses are refused on ORT too; ORT's slow ``FastGeluGrad``
-#: kernel is written out in element-wise ops.
+#: kernel is written out in element-wise ops, and the torch builder's transposed-operand
+#: ``Gemm``s (weight gradients) as ``Transpose`` and ``MatMul``, which ORT's CPU GEMM runs
+#: faster (benchmarks/weight_gradient_gemm.py).
 DEFAULT_PIPELINE = (
     "pythonop-shape-inference,insert-gather-before-sce-loss(move_above_projection=True),build-training-graph,"
     "expand-fast-gelu-grad,chunk-lm-head-loss,check-index-ranges,accumulate-gradients-early,scatter-embedding-gradient,fix-dropout-seed(level=1),recompute(level=1),"
-    "replay-dropout-mask,recompute-gate-activation,recompute-silu-sigmoid,order-backward-joins,recompute-again-late"
+    "replay-dropout-mask,recompute-gate-activation,recompute-silu-sigmoid,order-backward-joins,recompute-again-late,"
+    "transposed-gemm-as-matmul"
 )

@@ -86,8 +86,8 @@ class ORTModule(ModelFacade, GraphBuilding, torch.nn.Module):
             from which the loop computes the loss in torch.
         pipeline: the ortpass pipeline spec for training graphs (default: the one
             ``ortpass optimize`` runs, recompute level 1 included, without
-            ``expand-fast-gelu-grad`` where ``providers`` name CUDA: that pass replaces
-            a slow CPU kernel); it must build the training graph (``build-training-graph``).
+            ``expand-fast-gelu-grad`` and ``transposed-gemm-as-matmul`` where ``providers``
+            name CUDA: they replace a slow CPU kernel and a slow CPU product); it must build the training graph (``build-training-graph``).
         cache_dir: where built graphs are kept, keyed on the module's structure and
             parameter names/shapes, the input schema, the pipeline and the versions of
             torch, onnx, onnxruntime and ortpass, and a digest of ortpass's own source;
@@ -188,7 +188,8 @@ class ORTModule(ModelFacade, GraphBuilding, torch.nn.Module):
             if _names_cuda(providers):
                 from ortpass.infra.pipeline_text import without_passes
 
-                pipeline = without_passes(pipeline, {"expand-fast-gelu-grad"})  # ORT's CUDA kernel is one fused kernel
+                # ORT's CUDA kernel is one fused kernel; cuBLAS reads a transposed operand as it is
+                pipeline = without_passes(pipeline, {"expand-fast-gelu-grad", "transposed-gemm-as-matmul"})
         self.budget_fit: BudgetFit | None = None
         if memory_budget is not None:
             from ortpass.analysis.recompute.budget import parse_budget
