@@ -47,7 +47,7 @@ import logging
 import onnx_ir as ir
 
 from ortpass.analysis.partition import is_backward
-from ortpass.conventions import BUILDER_KEY
+from ortpass.conventions import BUILDER_KEY, is_onnx_domain
 from ortpass.graph.names import NameAllocator
 from ortpass.infra.base import OrtPass
 from ortpass.infra.registry import register_pass
@@ -85,7 +85,7 @@ class TransposedGemmAsMatmulPass(OrtPass):
 
 
 def _rewritable(node: ir.Node) -> bool:
-    if node.op_type != "Gemm" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2 or None in node.inputs:
+    if node.op_type != "Gemm" or not is_onnx_domain(node.domain) or len(node.inputs) != 2 or None in node.inputs:
         return False
     attributes = node.attributes
     if attributes.get_int("transA", 0) != 1 or attributes.get_int("transB", 0) != 0 or attributes.get_float("alpha", 1.0) != 1.0:
